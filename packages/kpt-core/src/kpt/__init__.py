@@ -1,0 +1,29 @@
+"""kpt: one kernel API, many accelerators.
+
+    import kpt
+    be = kpt.get_backend()          # the best backend installed for this machine
+    y = be.rms_norm(x, weight)      # differentiable, torch.compile-able
+
+The contract (every kernel's signature, checks, reference math and cost) lives in
+``kpt.kernels``; backends plug in through the ``kpt.backends`` entry point (``kpt.hookspecs``).
+"""
+
+from __future__ import annotations
+
+from .backend import CONTRACT_VERSION, Backend, PerfBar, kernels_from, missing_kernels
+from .errors import BackendError, KernelInputError, KernelNotSupportedError
+from .hookspecs import hookimpl
+from .kernels import SPECS
+from .ops import Kernel
+from .registry import BackendInfo, Registry, get_backend, list_backends, reload_backends
+from .spec import FLOAT_DTYPES, BadInput, Case, KernelSpec
+from .tolerance import Tolerance, default_tolerance
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECS", "Backend", "BackendError", "BackendInfo",
+    "BadInput", "Case", "Kernel", "KernelInputError", "KernelNotSupportedError", "KernelSpec",
+    "PerfBar", "Registry", "Tolerance", "default_tolerance", "get_backend", "hookimpl",
+    "kernels_from", "list_backends", "missing_kernels", "reload_backends",
+]

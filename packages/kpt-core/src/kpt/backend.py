@@ -1,0 +1,154 @@
+"""`Backend`: the base class every backend subclasses, and the calls users make on it.
+
+A backend declares who it is (``name``, ``vendor``, ``device_type``, ``priority``), says whether
+it can run here (`Backend.is_available`) and supplies kernel bodies (`Backend.kernels`). Core
+gives every backend the same public methods, one per kernel of the contract
+(``backend.rms_norm(x, weight)``...): each validates its inputs with the kernel's spec, then
+calls the backend's custom op, which autograd differentiates and ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .errors import BackendError, KernelNotSupportedError
+from .kernels import SPECS
+from .ops import Kernel, as_tuple, register
+from .spec import FLOAT_DTYPES, KernelSpec
+from .tolerance import Tolerance
+
+CONTRACT_VERSION = 1
+"""The version of KERNELS.md that this kpt-core implements; backends declare the one they target."""
+
+
+@dataclass(frozen=True)
+class PerfBar:
+    """A backend's speed promise for one kernel, checked by the conformance performance tests.
+
+    ``min_speedup``: at least this many times faster than torch eager on the same device;
+    ``min_ceiling_fraction``: at least this fraction of the measured memory-copy bandwidth
+    (memory-bound kernels) in the same run. ``None`` means not promised.
+    """
+
+    min_speedup: float | None = None
+    min_ceiling_fraction: float | None = None
+
+
+class Backend:
+    """Base class of every backend. Subclasses set the class attributes and implement `kernels`."""
+
+    name: ClassVar[str]
+    vendor: ClassVar[str]
+    device_type: ClassVar[str]
+    """The torch device type its tensors live on ("cpu", "cuda", "xpu", "mps")."""
+    priority: ClassVar[int] = 0
+    """Higher wins when no backend is named; the reference backend has priority 0."""
+    simulator: ClassVar[bool] = False
+    """Simulators (fpga-sim) are never selected automatically."""
+    contract_version: ClassVar[int] = CONTRACT_VERSION
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
+
+    def is_available(self) -> tuple[bool, str]:
+        """``(True, "")`` when it can run on this machine, else ``(False, why not)``."""
+        return True, ""
+
+    def kernels(self) -> Mapping[str, Kernel]:
+        """The kernel bodies, by kernel name (see `kernels_from`)."""
+        raise NotImplementedError(f"backend {self.name!r} does not define kernels()")
+
+    def device(self) -> torch.device:
+        """The device the conformance suite puts this backend's inputs on."""
+        return torch.device(self.device_type)
+
+    def unsupported(self, kernel: str, args: Mapping[str, Any]) -> str | None:
+        """Why this valid call is not supported here (raised as KernelNotSupportedError), or None."""
+        return None
+
+    def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
+        """A tolerance other than the default table's, with its reason; None keeps the default."""
+        return None
+
+    def perf_bar(self, kernel: str) -> PerfBar | None:
+        """What speed this backend promises for ``kernel``; None promises nothing."""
+        return None
+
+    def environment(self) -> dict[str, str]:
+        """Versions and device facts recorded with conformance reports and benchmarks."""
+        return {"torch": torch.__version__}
+
+    @property
+    def op_namespace(self) -> str:
+        """The torch.library namespace of this backend's ops."""
+        return "kpt_" + re.sub(r"\W", "_", self.name)
+
+    def __repr__(self) -> str:
+        return f"<kpt backend {self.name!r} ({self.vendor}, {self.device_type})>"
+
+    # -- calls -----------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _ops(self) -> dict[str, Any]:
+        kernels = self.kernels()
+        missing = missing_kernels(kernels)
+        if missing:
+            raise BackendError(f"backend {self.name!r} is missing kernels: {', '.join(missing)}")
+        return {name: register(self.op_namespace, spec, kernels[name]) for name, spec in SPECS.items()}
+
+    def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
+        """Validate a call of ``kernel`` against its spec and run it on this backend."""
+        spec = SPECS[kernel]
+        bound = spec.validate(spec.bind(args, kwargs), self.dtypes)
+        reason = self.unsupported(kernel, bound)
+        if reason:
+            raise KernelNotSupportedError(f"{kernel}: not supported by backend {self.name!r}: {reason}")
+        values = list(bound.values())
+        if not spec.differentiable:
+            values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+        elif spec.needs_grad_arg:
+            values.append(_needs_grad(spec, bound))
+        out = as_tuple(self._ops[kernel](*values))[: len(spec.outputs)]
+        return out[0] if len(out) == 1 else out
+
+
+def _needs_grad(spec: KernelSpec, args: Mapping[str, Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(args[n], torch.Tensor) and args[n].requires_grad for n in spec.differentiable
+    )
+
+
+def missing_kernels(kernels: Mapping[str, Kernel]) -> list[str]:
+    """The contract kernels that ``kernels`` lacks (or lacks the backward of)."""
+    return [
+        name for name, spec in SPECS.items()
+        if name not in kernels or (spec.differentiable and kernels[name].backward is None)
+    ]
+
+
+def kernels_from(*modules: types.ModuleType) -> dict[str, Kernel]:
+    """Collect ``<kernel>_fwd`` / ``<kernel>_bwd`` functions from a backend's kernel modules."""
+    found: dict[str, Kernel] = {}
+    for name in SPECS:
+        for module in modules:
+            fwd = getattr(module, f"{name}_fwd", None)
+            if fwd is not None:
+                found[name] = Kernel(fwd, getattr(module, f"{name}_bwd", None))
+    return found
+
+
+def _method(spec: KernelSpec) -> Callable[..., Any]:
+    @functools.wraps(spec.signature)
+    def method(self: Backend, *args: Any, **kwargs: Any) -> Any:
+        return self.call(spec.name, *args, **kwargs)
+
+    return method
+
+
+for _spec in SPECS.values():
+    setattr(Backend, _spec.name, _method(_spec))

@@ -1,0 +1,204 @@
+"""RMS normalization: ``rms_norm`` and the fused residual form ``add_rms_norm``.
+
+    rstd = rsqrt(mean(x², -1) + eps)        (statistics in float32 at least)
+    y    = x · rstd · weight
+
+Backward, with x̂ = x · rstd and g = dy · weight:
+    dx      = rstd · (g − x̂ · mean(g · x̂, -1))
+    dweight = Σ_rows dy · x̂
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, rows
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
+    """Root-mean-square normalization over the last dimension.
+
+    ``y = x * rsqrt(mean(x², -1) + eps) * weight``; statistics in float32 (float64 for float64).
+    ``x``: ``[..., D]``; ``weight``: ``[D]``, ``x.dtype`` or float32, or None. Returns ``y`` like x.
+    Differentiable with respect to ``x`` and ``weight``.
+    """
+    raise AssertionError("signature only: call backend.rms_norm")
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Residual add fused with RMS normalization.
+
+    ``h = x + residual`` (rounded to ``x.dtype``), ``y = rms_norm(h, weight, eps)``.
+    Returns ``(y, h)``. Differentiable with respect to ``x``, ``residual`` and ``weight``.
+    """
+    raise AssertionError("signature only: call backend.add_rms_norm")
+
+
+def _check_norm_input(c: Check, x: Any, weight: Any, eps: Any) -> None:
+    c.tensor("x", x, min_ndim=1)
+    c.param("weight", weight, x, (x.shape[-1],))
+    c.number("eps", eps, low=0.0)
+
+
+def validate_rms_norm(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
+    _check_norm_input(Check("rms_norm", dtypes), a["x"], a["weight"], a["eps"])
+    return a
+
+
+def validate_add_rms_norm(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
+    c = Check("add_rms_norm", dtypes)
+    _check_norm_input(c, a["x"], a["weight"], a["eps"])
+    c.tensor("residual", a["residual"])
+    c.same_dtype("residual", a["residual"], a["x"], "x")
+    c.shape("residual", a["residual"], tuple(a["x"].shape))
+    c.same_device("residual", a["residual"], a["x"])
+    return a
+
+
+def _normalize(h: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    ct = compute_dtype(h.dtype)
+    hr = rows(h).to(ct)
+    rstd = torch.rsqrt(hr.square().mean(-1) + eps)
+    y = hr * rstd[:, None]
+    if weight is not None:
+        y = y * weight.to(ct)
+    return y.to(h.dtype).reshape(h.shape), rstd
+
+
+def _normalize_backward(
+    h: Tensor, weight: Optional[Tensor], rstd: Tensor, dy: Tensor
+) -> tuple[Tensor, Tensor]:
+    ct = rstd.dtype
+    xhat = rows(h).to(ct) * rstd[:, None]
+    dyr = rows(dy).to(ct)
+    g = dyr * weight.to(ct) if weight is not None else dyr
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dweight = (dyr * xhat).sum(0).to(weight.dtype) if weight is not None else h.new_empty(0)
+    return dx, dweight
+
+
+def rms_norm_forward(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """Returns ``(y, rstd)``; ``rstd`` is ``[rows]`` in float32 (float64 for float64 input)."""
+    return _normalize(x, weight, eps)
+
+
+def rms_norm_backward(
+    x: Tensor, weight: Optional[Tensor], eps: float, y: Tensor, rstd: Tensor, dy: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(dx, dweight)``; ``dweight`` is empty when ``weight`` is None."""
+    dx, dweight = _normalize_backward(x, weight, rstd, dy)
+    return dx.to(x.dtype).reshape(x.shape), dweight
+
+
+def add_rms_norm_forward(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(y, h, rstd)``."""
+    h = (x.to(compute_dtype(x.dtype)) + residual.to(compute_dtype(x.dtype))).to(x.dtype)
+    y, rstd = _normalize(h, weight, eps)
+    return y, h, rstd
+
+
+def add_rms_norm_backward(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+    y: Tensor, h: Tensor, rstd: Tensor, dy: Optional[Tensor], dh: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(dh_total, dweight)``: the gradient of ``h`` (both ``x`` and ``residual``
+    receive it) including the gradient flowing into the ``h`` output, and ``dweight``."""
+    dx, dweight = _normalize_backward(h, weight, rstd, dy if dy is not None else torch.zeros_like(h))
+    if dh is not None:
+        dx = dx + rows(dh).to(dx.dtype)
+    return dx.to(x.dtype).reshape(x.shape), dweight
+
+
+def _rms_norm_flops(a: Args) -> float:
+    return 4.0 * a["x"].numel()
+
+
+def _add_rms_norm_flops(a: Args) -> float:
+    return 5.0 * a["x"].numel()
+
+
+def _make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
+          layout=identity, residual: bool = False, weight_dtype: torch.dtype | None = None) -> Args:
+    x = layout(randn(g, *shape, dtype=dtype, scale=scale))
+    weight = randn(g, shape[-1], dtype=weight_dtype or dtype) + 1.0
+    if residual:
+        return {"x": x, "residual": layout(randn(g, *shape, dtype=dtype, scale=scale)), "weight": weight, "eps": 1e-6}
+    return {"x": x, "weight": weight, "eps": 1e-6}
+
+
+def _cases(residual: bool):
+    def cases():
+        def make(g, dtype, **kw):
+            return _make(g, dtype, residual=residual, **kw)
+
+        extra = [
+            # mixed precision training: float32 weight with 16-bit activations
+            Case("fp32_weight", lambda g, dtype: _make(g, dtype, shape=(5, 256), residual=residual,
+                                                           weight_dtype=torch.float32)),
+            Case("no_weight", lambda g, dtype: {**_make(g, dtype, shape=(5, 256), residual=residual),
+                                                 "weight": None}),
+        ]
+        return row_cases(make, (16384, 4096)) + extra
+    return cases
+
+
+def _bad_inputs(kernel: str):
+    def bad():
+        base = dict(x=torch.randn(4, 8), weight=torch.ones(8), eps=1e-6)
+        if kernel == "add_rms_norm":
+            base["residual"] = torch.randn(4, 8)
+        cases = [
+            BadInput("int_x", lambda: {**base, "x": torch.ones(4, 8, dtype=torch.int64)}),
+            BadInput("scalar_x", lambda: {**base, "x": torch.tensor(1.0)}),
+            BadInput("weight_shape", lambda: {**base, "weight": torch.ones(7)}),
+            BadInput("weight_dtype", lambda: {**base, "weight": torch.ones(8, dtype=torch.float16)}),
+            BadInput("weight_device", lambda: {**base, "weight": torch.ones(8, device="meta")}),
+            BadInput("negative_eps", lambda: {**base, "eps": -1.0}),
+            BadInput("not_a_tensor", lambda: {**base, "x": [[1.0, 2.0]]}),
+        ]
+        if kernel == "add_rms_norm":
+            cases += [
+                BadInput("residual_shape", lambda: {**base, "residual": torch.randn(4, 9)}),
+                BadInput("residual_dtype", lambda: {**base, "residual": torch.randn(4, 8, dtype=torch.float64)}),
+            ]
+        return cases
+    return bad
+
+
+RMS_NORM = KernelSpec(
+    name="rms_norm",
+    signature=rms_norm,
+    validate=validate_rms_norm,
+    forward=rms_norm_forward,
+    backward=rms_norm_backward,
+    outputs=("y",),
+    saved=("rstd",),
+    differentiable=("x", "weight"),
+    flops=_rms_norm_flops,
+    cases=_cases(residual=False),
+    bad_inputs=_bad_inputs("rms_norm"),
+)
+
+ADD_RMS_NORM = KernelSpec(
+    name="add_rms_norm",
+    signature=add_rms_norm,
+    validate=validate_add_rms_norm,
+    forward=add_rms_norm_forward,
+    backward=add_rms_norm_backward,
+    outputs=("y", "h"),
+    saved=("rstd",),
+    differentiable=("x", "residual", "weight"),
+    grads=lambda r: (r[0], r[0], r[1]),
+    flops=_add_rms_norm_flops,
+    cases=_cases(residual=True),
+    bad_inputs=_bad_inputs("add_rms_norm"),
+)
+
+SPECS = (RMS_NORM, ADD_RMS_NORM)

@@ -1,0 +1,153 @@
+"""Backend discovery and selection: entry points, isolation of broken plugins, `get_backend`.
+
+Every plugin is loaded on its own. A plugin that fails to import, whose hook raises, whose
+backend targets another contract version, lacks kernels, or whose ``is_available`` raises is
+recorded with the reason and skipped; the others load. Set ``KPT_STRICT_PLUGINS=1`` (or pass
+``strict=True``) to re-raise instead, which is what a vendor wants while developing a plugin.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from . import hookspecs, reference
+from .backend import CONTRACT_VERSION, Backend, missing_kernels
+from .errors import BackendError
+
+ENTRY_POINT_GROUP = "kpt.backends"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What `list_backends` reports for one discovered backend (or a plugin that failed)."""
+
+    name: str
+    vendor: str
+    device_type: str
+    priority: int
+    simulator: bool
+    available: bool
+    reason: str
+    """Why it is not available here, or why it was refused; empty when usable."""
+    error: str | None
+    """The exception of a plugin that failed to load, or of a refused backend."""
+    plugin: str
+
+
+class Registry:
+    """The backends found through ``entry_points`` (default: the installed ``kpt.backends``)."""
+
+    def __init__(self, entry_points: Iterable[metadata.EntryPoint] | None = None,
+                 strict: bool | None = None) -> None:
+        if entry_points is None:
+            entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if strict is None:
+            strict = os.environ.get("KPT_STRICT_PLUGINS", "") not in ("", "0")
+        self.strict = strict
+        self.backends: dict[str, Backend] = {}
+        self.infos: dict[str, BackendInfo] = {}
+        self._plugins = pluggy.PluginManager(hookspecs.PROJECT)
+        self._plugins.add_hookspecs(hookspecs)
+        self._add_plugin("reference", lambda: reference)
+        for ep in entry_points:
+            self._add_plugin(ep.name, ep.load)
+
+    def _fail(self, plugin: str, name: str, reason: str, exc: BaseException | None) -> None:
+        if self.strict:
+            if exc is not None:
+                raise exc
+            raise BackendError(f"{name}: {reason}")
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip() if exc else None
+        self.infos[name] = BackendInfo(name, "?", "?", 0, False, False, reason, error, plugin)
+
+    def _add_plugin(self, plugin: str, load: Any) -> None:
+        try:
+            module = load()
+            self._plugins.register(module, name=plugin)
+            impls = [i for i in self._plugins.hook.kpt_backends.get_hookimpls() if i.plugin_name == plugin]
+            backends = [b for impl in impls for b in impl.function()]
+        except Exception as exc:  # a broken plugin must not take the registry down
+            self._fail(plugin, plugin, "plugin failed to load", exc)
+            return
+        for backend in backends:
+            self._add_backend(plugin, backend)
+
+    def _add_backend(self, plugin: str, backend: Backend) -> None:
+        name = getattr(backend, "name", repr(backend))
+        if not isinstance(backend, Backend):
+            return self._fail(plugin, name, f"{backend!r} is not a kpt.Backend", None)
+        if name in self.backends:
+            return self._fail(plugin, name, f"name already registered by {self.infos[name].plugin}", None)
+        if backend.contract_version != CONTRACT_VERSION:
+            return self._fail(plugin, name, (
+                f"implements kernel contract v{backend.contract_version}, but this kpt-core "
+                f"implements v{CONTRACT_VERSION}: install a matching version of one or the other"), None)
+        try:
+            missing = missing_kernels(backend.kernels())
+            available, why = backend.is_available() if not missing else (False, "")
+        except Exception as exc:
+            return self._fail(plugin, name, "kernels() or is_available() raised", exc)
+        if missing:
+            return self._fail(plugin, name, f"refused: missing kernels: {', '.join(missing)}", None)
+        self.backends[name] = backend
+        self.infos[name] = BackendInfo(
+            name, backend.vendor, backend.device_type, backend.priority, backend.simulator,
+            bool(available), "" if available else why, None, plugin)
+
+    def list(self) -> list[BackendInfo]:
+        return sorted(self.infos.values(), key=lambda i: (-i.priority, i.name))
+
+    def get(self, name: str | None = None) -> Backend:
+        name = name or os.environ.get("KPT_BACKEND") or None
+        if name is None:
+            usable = [i for i in self.list() if i.available and not i.simulator and i.name in self.backends]
+            return self.backends[usable[0].name] if usable else self.backends["reference"]
+        if name not in self.infos:
+            raise BackendError(f"unknown kpt backend {name!r}; registered: {', '.join(sorted(self.infos))}")
+        info = self.infos[name]
+        if name not in self.backends:
+            raise BackendError(f"kpt backend {name!r} cannot be used: {info.reason}"
+                               + (f" ({info.error})" if info.error else ""))
+        if not info.available:
+            raise BackendError(f"kpt backend {name!r} is not available here: {info.reason}")
+        return self.backends[name]
+
+
+_registry: Registry | None = None
+
+
+def registry() -> Registry:
+    global _registry
+    if _registry is None:
+        _registry = Registry()
+    return _registry
+
+
+def reload_backends(strict: bool | None = None) -> Registry:
+    """Discover the installed backends again (after installing a plugin in a running process)."""
+    global _registry
+    _registry = Registry(strict=strict)
+    return _registry
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The backend to run kernels on.
+
+    ``name`` if given, else the ``KPT_BACKEND`` environment variable, else the highest-priority
+    backend available on this machine (simulators excluded), else ``reference``.
+    Raises `kpt.BackendError` for an unknown name (listing the registered ones) or a backend
+    that cannot run here (saying why).
+    """
+    return registry().get(name)
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every discovered backend, usable or not, highest priority first, with the reasons."""
+    return registry().list()

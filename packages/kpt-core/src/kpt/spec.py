@@ -1,0 +1,245 @@
+"""How a kernel of the contract is described: `KernelSpec`, its conformance `Case`s and `BadInput`s.
+
+Every kernel of ``KERNELS.md`` has exactly one `KernelSpec`, defined in the module of its family
+under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
+
+* ``signature``: the public Python function (its signature and docstring are what users see
+  as ``backend.<kernel>``; its body is never called);
+* ``validate``: the input checks, raising `KernelInputError`, returning the arguments in order;
+* ``forward`` / ``backward``: the reference math, pure PyTorch, exact in float64. They are also
+  the *kernel-body contract*: a backend's ``<kernel>_fwd`` takes the same arguments and returns
+  the same tuple (public ``outputs`` then ``saved`` tensors); its ``<kernel>_bwd`` takes the
+  forward arguments, every forward output (public and saved) and one gradient per public
+  output (``None`` where autograd has none), and returns one gradient per ``differentiable``
+  input (an empty tensor where that input was ``None``);
+* ``flops`` and `KernelSpec.min_bytes`: the cost model used by benchmarks (each input read
+  once, each output written once);
+* ``cases`` / ``bad_inputs``: what the conformance suite runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import KernelInputError
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+"""The activation dtypes every backend supports (the reference backend adds float64)."""
+
+Args = dict[str, Any]
+MakeInputs = Callable[[torch.Generator, torch.dtype], Args]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case: ``make(generator, dtype)`` draws fresh random CPU inputs.
+
+    ``perf`` marks the large shapes of PERF.md used by performance tests (never run for numerics
+    on a simulator). ``dtypes`` restricts the case to some activation dtypes. ``grad`` runs the
+    backward check too (only for differentiable kernels).
+    """
+
+    name: str
+    make: MakeInputs
+    grad: bool = True
+    perf: bool = False
+    dtypes: tuple[torch.dtype, ...] | None = None
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """An invalid call and the error it must raise; ``make()`` builds the CPU arguments."""
+
+    name: str
+    make: Callable[[], Args]
+    error: type[Exception] = KernelInputError
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """The contract of one kernel (see the module docstring)."""
+
+    name: str
+    signature: Callable[..., Any]
+    validate: Callable[[Args, Sequence[torch.dtype]], Args]
+    forward: Callable[..., tuple[torch.Tensor, ...]]
+    outputs: tuple[str, ...]
+    flops: Callable[[Args], float]
+    cases: Callable[[], list[Case]]
+    bad_inputs: Callable[[], list[BadInput]]
+    backward: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    saved: tuple[str, ...] = ()
+    differentiable: tuple[str, ...] = ()
+    needs_grad_arg: bool = False
+    """When true the forward takes a trailing ``needs_grad: bool`` (set by core: does any
+    differentiable input require grad?) so that it can prepare gradients while it runs."""
+    grads: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
+    """Maps the backward's results to one gradient per differentiable input, where two inputs
+    share one gradient tensor (custom ops may not return the same tensor twice)."""
+
+    def min_bytes(self, args: Args, outputs: tuple[torch.Tensor, ...]) -> int:
+        """Each tensor input read once and each public output written once."""
+        tensors = [v for v in args.values() if isinstance(v, torch.Tensor)]
+        return nbytes(*tensors, *outputs[: len(self.outputs)])
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return tuple(inspect.signature(self.signature).parameters)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
+        """Match a call to the public signature, defaults applied; a wrong call is a KernelInputError."""
+        try:
+            bound = inspect.signature(self.signature).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise KernelInputError(f"{self.name}: {exc}") from None
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks shared by every spec. Each raises KernelInputError naming kernel and argument.
+
+
+class Check:
+    """Input checks for one call of ``kernel``; ``dtypes`` are the backend's activation dtypes."""
+
+    def __init__(self, kernel: str, dtypes: Sequence[torch.dtype]) -> None:
+        self.kernel = kernel
+        self.dtypes = tuple(dtypes)
+
+    def fail(self, arg: str, message: str) -> KernelInputError:
+        return KernelInputError(f"{self.kernel}: argument '{arg}' {message}")
+
+    def tensor(
+        self,
+        arg: str,
+        t: Any,
+        *,
+        ndim: int | None = None,
+        min_ndim: int = 0,
+        dtypes: Sequence[torch.dtype] | None = None,
+    ) -> torch.Tensor:
+        """A tensor of an allowed dtype (default: the backend's float dtypes) and rank."""
+        if not isinstance(t, torch.Tensor):
+            raise self.fail(arg, f"must be a torch.Tensor, got {type(t).__name__}")
+        allowed = self.dtypes if dtypes is None else tuple(dtypes)
+        if t.dtype not in allowed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise self.fail(arg, f"has dtype {t.dtype}; expected one of: {names}")
+        if ndim is not None and t.dim() != ndim:
+            raise self.fail(arg, f"must have {ndim} dimensions, got shape {tuple(t.shape)}")
+        if t.dim() < min_ndim:
+            raise self.fail(arg, f"must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
+        return t
+
+    def param(self, arg: str, t: Any, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """An optional parameter (norm weight, bias): float32 or ``like``'s dtype, given shape."""
+        if t is None:
+            return None
+        self.tensor(arg, t, dtypes=(like.dtype, torch.float32))
+        self.shape(arg, t, shape)
+        self.same_device(arg, t, like)
+        return t
+
+    def shape(self, arg: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+        if tuple(t.shape) != tuple(expected):
+            raise self.fail(arg, f"has shape {tuple(t.shape)}; expected {tuple(expected)}")
+
+    def same_dtype(self, arg: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+        if t.dtype != like.dtype:
+            raise self.fail(arg, f"has dtype {t.dtype} but '{like_name}' has {like.dtype}; they must match")
+
+    def same_device(self, arg: str, t: torch.Tensor, like: torch.Tensor) -> None:
+        if t.device != like.device:
+            raise self.fail(arg, f"is on {t.device} but the other inputs are on {like.device}")
+
+    def choice(self, arg: str, value: Any, options: Sequence[Any]) -> Any:
+        if value not in options:
+            raise self.fail(arg, f"is {value!r}; expected one of {list(options)!r}")
+        return value
+
+    def number(self, arg: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
+               integer: bool = False) -> Any:
+        kind = int if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or not (low <= value <= high):
+            what = "an integer" if integer else "a number"
+            raise self.fail(arg, f"is {value!r}; expected {what} in [{low}, {high}]")
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers for reference math and for drawing conformance inputs.
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype reference math runs in: float64 stays float64, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """Flatten every leading dimension: ``[..., D] -> [rows, D]`` (zero-size dims allowed)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def randn(g: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Standard-normal values (times ``scale``) drawn from ``g``, rounded to ``dtype``."""
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view (every other column of a wider buffer)."""
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+ROW_SHAPES: dict[str, tuple[int, ...]] = {
+    "llm": (4, 32, 4096),
+    "single": (1, 1),
+    "odd": (3, 17),
+    "wide": (17, 1000),
+    "long_row": (2, 4097),
+}
+"""Shapes of the row-wise kernels' conformance cases: typical, then the odd sizes 1, 3, 17, 1000, 4097."""
+
+
+def numel(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() for t in tensors if t is not None)
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def row_cases(make: Callable[..., Args], perf_shape: tuple[int, ...], *, extreme: bool = True) -> list[Case]:
+    """The standard cases of a row-wise kernel.
+
+    ``make(g, dtype, shape=..., scale=1.0, layout=identity)`` draws the inputs of one call for
+    activations of ``shape``, multiplied by ``scale``, passed through ``layout`` (`strided` for
+    the non-contiguous case).
+    """
+
+    def case(name: str, **kw: Any) -> Case:
+        perf = kw.pop("perf", False)
+        return Case(name, lambda g, dtype: make(g, dtype, **kw), perf=perf)
+
+    cases = [case(name, shape=shape) for name, shape in ROW_SHAPES.items()]
+    cases += [
+        case("strided", shape=(33, 1024), layout=strided),
+        case("zero_rows", shape=(0, 512)),
+        case("zero_cols", shape=(4, 0)),
+    ]
+    if extreme:
+        cases += [case("huge", shape=(8, 2048), scale=1e4), case("tiny", shape=(8, 2048), scale=1e-4)]
+    cases.append(case("perf", shape=perf_shape, perf=True))
+    return cases

@@ -1,0 +1,43 @@
+"""How close a backend's result must be to the float64 oracle.
+
+A result ``out`` passes against the oracle ``ref`` when it has no NaN where the oracle has none,
+and both
+
+* ``‖out − ref‖₂ / ‖ref‖₂ ≤ rel_norm`` (the whole tensor), and
+* ``|out − ref| ≤ atol · max|ref| + rtol · |ref|`` for every element (``atol`` is relative to the
+  tensor's largest magnitude, so one table serves tensors of any scale).
+
+Integer outputs (indices, offsets) must match exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rel_norm: float
+    atol: float
+    rtol: float
+    reason: str = ""
+
+
+DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(1e-12, 1e-12, 1e-10, "float64 is the oracle's own precision"),
+    # float32 accumulation of a few thousand terms; unit roundoff 6e-8
+    torch.float32: Tolerance(2e-5, 2e-5, 1e-4, "float32 arithmetic, float32 accumulation"),
+    # one rounding of the output costs up to 4.9e-4 relative; a few roundings inside
+    torch.float16: Tolerance(2e-3, 2e-3, 1e-2, "float16 inputs and outputs, float32 accumulation"),
+    # one rounding of the output costs up to 3.9e-3 relative; a few roundings inside
+    torch.bfloat16: Tolerance(1.6e-2, 1.6e-2, 4e-2, "bfloat16 inputs and outputs, float32 accumulation"),
+    # one step of a 3-bit mantissa is 12.5% relative: one rounding difference of the scaled value
+    torch.float8_e4m3fn: Tolerance(7e-2, 2e-3, 0.13, "float8 e4m3 output: one rounding step"),
+    torch.float8_e5m2: Tolerance(1.4e-1, 2e-3, 0.26, "float8 e5m2 output: one rounding step"),
+}
+
+
+def default_tolerance(dtype: torch.dtype) -> Tolerance:
+    return DEFAULT_TOLERANCES[dtype]
