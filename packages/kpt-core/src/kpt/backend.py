@@ -84,6 +84,11 @@ class Backend:
         return {"torch": torch.__version__}
 
     @property
+    def conformance_profile(self) -> str:
+        """Names the xfail file of this configuration (``conformance/xfails/<profile>.txt``)."""
+        return self.name
+
+    @property
     def op_namespace(self) -> str:
         """The torch.library namespace of this backend's ops."""
         return "kpt_" + re.sub(r"\W", "_", self.name)

@@ -1,0 +1,8 @@
+"""A plugin whose hook raises."""
+
+import kpt
+
+
+@kpt.hookimpl
+def kpt_backends():
+    raise RuntimeError("hook failed")

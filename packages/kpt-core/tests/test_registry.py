@@ -1,0 +1,117 @@
+"""Discovery and selection: fixture plugins installed as entry points for each test."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+
+import pytest
+import torch
+
+import kpt
+from kpt.registry import ENTRY_POINT_GROUP
+
+
+def _ep(name: str, module: str) -> EntryPoint:
+    return EntryPoint(name=name, value=f"kpt_fixture_plugins.{module}", group=ENTRY_POINT_GROUP)
+
+
+PLUGINS = [_ep("fixtures", "backends"), _ep("broken-import", "broken_import"), _ep("broken-hook", "broken_hook")]
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> kpt.Registry:
+    monkeypatch.delenv("KPT_BACKEND", raising=False)
+    monkeypatch.delenv("KPT_STRICT_PLUGINS", raising=False)
+    return kpt.Registry(PLUGINS)
+
+
+def test_default_without_plugins_is_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KPT_BACKEND", raising=False)
+    assert kpt.Registry([]).get().name == "reference"
+
+
+def test_auto_selection_takes_highest_available_non_simulator(registry: kpt.Registry) -> None:
+    assert registry.get().name == "fixture-fast"
+
+
+def test_environment_variable_selects(registry: kpt.Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KPT_BACKEND", "reference")
+    assert registry.get().name == "reference"
+    assert registry.get("fixture-sim").name == "fixture-sim"  # explicit name beats the variable
+
+
+def test_unknown_name_lists_registered(registry: kpt.Registry) -> None:
+    with pytest.raises(kpt.BackendError, match="unknown kpt backend 'nope'.*fixture-fast.*reference"):
+        registry.get("nope")
+
+
+def test_list_reports_every_backend_and_failure(registry: kpt.Registry) -> None:
+    infos = {i.name: i for i in registry.list()}
+    assert infos["reference"].available and infos["fixture-fast"].available
+    assert infos["fixture-sim"].simulator and infos["fixture-sim"].available
+    assert not infos["fixture-unavailable"].available
+    assert infos["fixture-unavailable"].reason == "no fixture device here"
+    assert "ImportError" in infos["broken-import"].error and "libfixture.so" in infos["broken-import"].error
+    assert "hook failed" in infos["broken-hook"].error
+    assert "missing kernels: rms_norm" in infos["fixture-incomplete"].reason
+    assert "contract v0" in infos["fixture-wrong-version"].reason
+    assert "driver exploded" in infos["fixture-availability-raises"].error
+    assert [i.priority for i in registry.list()] == sorted((i.priority for i in registry.list()), reverse=True)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("fixture-incomplete", "missing kernels: rms_norm"),
+    ("fixture-wrong-version", "implements kernel contract v0, but this kpt-core implements v1"),
+    ("fixture-unavailable", "not available here: no fixture device here"),
+    ("broken-import", "plugin failed to load"),
+])
+def test_refused_backends_explain_themselves(registry: kpt.Registry, name: str, message: str) -> None:
+    with pytest.raises(kpt.BackendError, match=message):
+        registry.get(name)
+
+
+def test_strict_mode_reraises_plugin_errors() -> None:
+    with pytest.raises(ImportError, match="libfixture.so"):
+        kpt.Registry([_ep("broken-import", "broken_import")], strict=True)
+
+
+def test_strict_mode_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KPT_STRICT_PLUGINS", "1")
+    with pytest.raises(kpt.BackendError, match="contract v0"):
+        kpt.Registry([_ep("fixtures", "backends")])
+
+
+def test_plugin_backend_runs_kernels_in_its_own_namespace(registry: kpt.Registry) -> None:
+    be = registry.get("fixture-fast")
+    x = torch.randn(3, 5, requires_grad=True)
+    y = be.rms_norm(x)
+    y.sum().backward()
+    assert y.grad_fn is not None and x.grad is not None
+    assert hasattr(torch.ops.kpt_fixture_fast, "rms_norm")
+
+
+def test_incomplete_backend_is_refused_at_call_too() -> None:
+    from kpt_fixture_plugins.backends import Incomplete
+
+    with pytest.raises(kpt.BackendError, match="missing kernels: rms_norm"):
+        Incomplete().rms_norm(torch.randn(2, 2))
+
+
+def test_global_get_backend_is_reference_on_a_cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KPT_BACKEND", raising=False)
+    if any(i.available and not i.simulator and i.name != "reference" for i in kpt.list_backends()):
+        pytest.skip("another backend is installed and available here")
+    assert kpt.get_backend().name == "reference"
+
+
+def test_unsupported_combination_raises_not_supported() -> None:
+    from kpt.reference import ReferenceBackend
+
+    class NoWeight(ReferenceBackend):
+        name = "fixture-no-weight"
+
+        def unsupported(self, kernel, args):
+            return "weight is not supported" if kernel == "rms_norm" and args["weight"] is not None else None
+
+    with pytest.raises(kpt.KernelNotSupportedError, match="backend 'fixture-no-weight'"):
+        NoWeight().rms_norm(torch.randn(2, 4), torch.ones(4))

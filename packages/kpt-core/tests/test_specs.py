@@ -1,0 +1,137 @@
+"""Generic checks of every kernel spec: the contract must be self-consistent before it judges backends.
+
+* each reference backward equals torch autograd of the reference forward, in float64;
+* each kernel's op passes ``torch.library.opcheck`` and traces with ``fullgraph=True``;
+* each documented bad input raises its documented error through a backend call;
+* the cost model is defined for every case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kpt
+from kpt.ops import as_tuple
+
+REF = kpt.get_backend("reference")
+SPECS = list(kpt.SPECS.values())
+DIFFERENTIABLE = [s for s in SPECS if s.differentiable]
+
+
+def _f64(args: dict) -> dict:
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.element_size() > 1
+            else v for k, v in args.items()}
+
+
+def _small_cases(spec: kpt.KernelSpec) -> list[kpt.Case]:
+    return [c for c in spec.cases() if not c.perf]
+
+
+def _forward_args(spec: kpt.KernelSpec, args: dict, needs_grad: bool) -> list:
+    values = list(spec.validate(spec.bind((), args), REF.dtypes).values())
+    return values + [needs_grad] if spec.needs_grad_arg else values
+
+
+@pytest.mark.parametrize("spec", DIFFERENTIABLE, ids=lambda s: s.name)
+def test_reference_backward_matches_autograd(spec: kpt.KernelSpec) -> None:
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for case in _small_cases(spec):
+        if not case.grad:
+            continue
+        args = _f64(case.make(g, torch.float64))
+        for name in spec.differentiable:
+            if isinstance(args[name], torch.Tensor):
+                args[name] = args[name].detach().requires_grad_(True)
+        values = _forward_args(spec, args, needs_grad=True)
+        outs = as_tuple(spec.forward(*values))
+        public = outs[: len(spec.outputs)]
+        grads = [torch.randn_like(o) if o.is_floating_point() else None for o in public]
+        inputs = [args[n] for n in spec.differentiable if isinstance(args[n], torch.Tensor)]
+        pairs = [(o, gr) for o, gr in zip(public, grads) if gr is not None and o.requires_grad]
+        expected = torch.autograd.grad([o for o, _ in pairs], inputs, [gr for _, gr in pairs],
+                                       allow_unused=True) if pairs else [None] * len(inputs)
+        detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+        results = as_tuple(spec.backward(*detached, *(o.detach() for o in outs), *grads))
+        if spec.grads is not None:
+            results = spec.grads(results)
+        got = [r for n, r in zip(spec.differentiable, results) if isinstance(args[n], torch.Tensor)]
+        for name, e, r in zip(spec.differentiable, expected, got):
+            e = torch.zeros_like(r) if e is None else e
+            assert r.shape == e.shape, f"{spec.name}/{case.name}: d{name} shape {r.shape} != {e.shape}"
+            torch.testing.assert_close(r, e, rtol=1e-9, atol=1e-9, msg=f"{spec.name}/{case.name}: d{name}")
+
+
+def _first_nonempty(spec: kpt.KernelSpec, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(0)
+    for case in _small_cases(spec):
+        if case.dtypes and dtype not in case.dtypes:
+            continue
+        args = case.make(g, dtype)
+        if all(v.numel() > 0 for v in args.values() if isinstance(v, torch.Tensor)):
+            return args
+    raise AssertionError(f"{spec.name} has no non-empty case")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_opcheck(spec: kpt.KernelSpec) -> None:
+    args = _first_nonempty(spec, torch.float32)
+    for name in spec.differentiable:
+        if isinstance(args[name], torch.Tensor):
+            args[name] = args[name].requires_grad_(True)
+    op = getattr(torch.ops, REF.op_namespace)
+    REF.call(spec.name, **args)  # registers the ops
+    values = _forward_args(spec, args, needs_grad=bool(spec.differentiable))
+    torch.library.opcheck(getattr(op, spec.name).default, tuple(values))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_fullgraph_trace(spec: kpt.KernelSpec) -> None:
+    args = _first_nonempty(spec, torch.float32)
+    compiled = torch.compile(lambda **kw: REF.call(spec.name, **kw), fullgraph=True, backend="aot_eager")
+    for expected, got in zip(as_tuple(REF.call(spec.name, **args)), as_tuple(compiled(**args))):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_compiled_call_differentiates_with_inductor() -> None:
+    x = torch.randn(8, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    compiled = torch.compile(lambda x, w: REF.rms_norm(x, w).square().sum(), fullgraph=True)
+    compiled(x, w).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    REF.rms_norm(x, w).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+@pytest.mark.parametrize(
+    "spec, bad", [(s, b) for s in SPECS for b in s.bad_inputs()], ids=lambda v: getattr(v, "name", "")
+)
+def test_bad_input_raises(spec: kpt.KernelSpec, bad: kpt.BadInput) -> None:
+    with pytest.raises(bad.error) as info:
+        REF.call(spec.name, **bad.make())
+    assert spec.name in str(info.value), f"the error must name the kernel: {info.value}"
+
+
+def test_unknown_argument_is_an_input_error() -> None:
+    with pytest.raises(kpt.KernelInputError, match="rms_norm"):
+        REF.rms_norm(torch.randn(2, 4), bogus=1)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_cost_model(spec: kpt.KernelSpec) -> None:
+    args = _first_nonempty(spec, torch.float32)
+    outs = as_tuple(REF.call(spec.name, **args))
+    assert spec.flops(spec.validate(spec.bind((), args), REF.dtypes)) >= 0
+    assert spec.min_bytes(args, outs) > 0
+
+
+def test_every_spec_has_the_conformance_ingredients() -> None:
+    for spec in SPECS:
+        cases = spec.cases()
+        assert sum(c.perf for c in cases) == 1, f"{spec.name}: needs exactly one perf case"
+        assert any(not c.perf for c in cases), f"{spec.name}: no numerics case"
+        assert spec.bad_inputs(), f"{spec.name}: no bad-input case"
+        assert spec.signature.__doc__, f"{spec.name}: no docstring"
+
