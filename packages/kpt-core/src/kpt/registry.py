@@ -52,6 +52,7 @@ class Registry:
             strict = os.environ.get("KPT_STRICT_PLUGINS", "") not in ("", "0")
         self.strict = strict
         self.backends: dict[str, Backend] = {}
+        self._seen: dict[str, Backend] = {}
         self.infos: dict[str, BackendInfo] = {}
         self._plugins = pluggy.PluginManager(hookspecs.PROJECT)
         self._plugins.add_hookspecs(hookspecs)
@@ -85,6 +86,7 @@ class Registry:
             return self._fail(plugin, name, f"{backend!r} is not a kpt.Backend", None)
         if name in self.backends:
             return self._fail(plugin, name, f"name already registered by {self.infos[name].plugin}", None)
+        self._seen[name] = backend
         if backend.contract_version != CONTRACT_VERSION:
             return self._fail(plugin, name, (
                 f"implements kernel contract v{backend.contract_version}, but this kpt-core "
@@ -100,6 +102,11 @@ class Registry:
         self.infos[name] = BackendInfo(
             name, backend.vendor, backend.device_type, backend.priority, backend.simulator,
             bool(available), "" if available else why, None, plugin)
+
+    def find(self, name: str) -> Backend | None:
+        """The backend object of that name even if it was refused (for the conformance suite to
+        report what it lacks), or None."""
+        return self._seen.get(name)
 
     def list(self) -> list[BackendInfo]:
         return sorted(self.infos.values(), key=lambda i: (-i.priority, i.name))

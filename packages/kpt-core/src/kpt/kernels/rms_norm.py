@@ -141,7 +141,8 @@ def _cases(residual: bool):
         extra = [
             # mixed precision training: float32 weight with 16-bit activations
             Case("fp32_weight", lambda g, dtype: _make(g, dtype, shape=(5, 256), residual=residual,
-                                                           weight_dtype=torch.float32)),
+                                                      weight_dtype=torch.float32),
+                 dtypes=(torch.float16, torch.bfloat16)),
             Case("no_weight", lambda g, dtype: {**_make(g, dtype, shape=(5, 256), residual=residual),
                                                  "weight": None}),
         ]

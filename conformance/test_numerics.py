@@ -1,0 +1,60 @@
+"""Forward and backward numerics of every kernel x case x dtype against the float64 oracle.
+
+Inputs are drawn fresh every run (the seed is printed in the header; ``--kpt-seed`` replays a run).
+Perf-size cases run only on a real device, never on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kpt
+from kpt.testing import check_backward, check_forward, to_device
+
+
+def _params(config: pytest.Config, backward: bool) -> list:
+    be = config.kpt_backend
+    dtypes = be.dtypes if be is not None else kpt.FLOAT_DTYPES
+    on_cpu = be is None or be.device().type == "cpu"
+    params = []
+    for spec in kpt.SPECS.values():
+        if backward and not spec.differentiable:
+            continue
+        for case in spec.cases():
+            if (case.perf and on_cpu) or (backward and not case.grad):
+                continue
+            for dtype in dtypes:
+                if case.dtypes is None or dtype in case.dtypes:
+                    name = str(dtype).removeprefix("torch.")
+                    params.append(pytest.param(spec, case, dtype, id=f"{spec.name}-{case.name}-{name}"))
+    return params
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if {"spec", "case", "dtype"} <= set(metafunc.fixturenames):
+        backward = metafunc.function.__name__ == "test_backward"
+        metafunc.parametrize("spec, case, dtype", _params(metafunc.config, backward))
+
+
+def _inputs(request: pytest.FixtureRequest, backend: kpt.Backend, case: kpt.Case, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(request.config.kpt_seed(request.node.nodeid))
+    return to_device(case.make(g, dtype), backend.device())
+
+
+def _record(record_property, spec, case, dtype, kind, report) -> None:
+    record_property("kpt", {"kernel": spec.name, "kind": kind, "case": case.name,
+                            "dtype": str(dtype).removeprefix("torch."), "worst": report.worst})
+
+
+def test_forward(request, backend, spec, case, dtype, record_property) -> None:
+    report = check_forward(backend, spec, _inputs(request, backend, case, dtype), dtype)
+    _record(record_property, spec, case, dtype, "forward", report)
+    assert report.ok, report.message
+
+
+def test_backward(request, backend, spec, case, dtype, record_property) -> None:
+    g = torch.Generator().manual_seed(request.config.kpt_seed(request.node.nodeid + "/grad"))
+    report = check_backward(backend, spec, _inputs(request, backend, case, dtype), dtype, g)
+    _record(record_property, spec, case, dtype, "backward", report)
+    assert report.ok, report.message

@@ -1,0 +1,212 @@
+"""Scaled dot-product attention with grouped-query heads and a bottom-right causal mask.
+
+Query head h reads key/value head h // G, G = Hq / Hkv. For one (batch, query head):
+
+    s   = q · kᵀ · scale                     [Sq, Skv]; causal: s[i, j] = −∞ unless j ≤ i + Skv − Sq
+    lse = log Σ_j exp(s[:, j])               (natural log; −∞ for a query that sees no key)
+    p   = exp(s − lse)                       (0 for a query that sees no key)
+    o   = p · v
+
+Backward, with dO the gradient of o:
+    dv    = Σ_group pᵀ · dO
+    dp    = dO · vᵀ
+    ds    = p ⊙ (dp − rowsum(p ⊙ dp))        (rowsum(p ⊙ dp) = rowsum(dO ⊙ o))
+    dq    = ds · k · scale
+    dk    = Σ_group dsᵀ · q · scale
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, randn
+
+HEAD_DIMS = (16, 256)
+"""The smallest and largest head dimension of the contract."""
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """Softmax attention ``softmax(q · kᵀ · scale) · v`` with grouped-query heads.
+
+    ``q``: ``[B, Hq, Sq, D]``; ``k``, ``v``: ``[B, Hkv, Skv, D]`` with ``Hq % Hkv == 0`` (query head
+    ``h`` uses key/value head ``h // (Hq // Hkv)``), all of one float dtype, ``D`` in 16..256.
+    ``scale`` defaults to ``D ** -0.5``. ``causal`` masks bottom-right aligned: query ``i`` sees keys
+    ``j <= i + Skv - Sq`` (``F.scaled_dot_product_attention(is_causal=True)`` when ``Sq == Skv``;
+    with a KV cache the last query sees every key). A query that sees no key (``Skv == 0``, or
+    causal with ``Sq > Skv``) outputs zeros. Softmax statistics in float32 (float64 for float64).
+    Returns ``o``: ``[B, Hq, Sq, D]`` in q's dtype. Differentiable with respect to ``q``, ``k``, ``v``.
+    """
+    raise AssertionError("signature only: call backend.attention")
+
+
+def validate_attention(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
+    c = Check("attention", dtypes)
+    q = c.tensor("q", a["q"], ndim=4)
+    k = c.tensor("k", a["k"], ndim=4)
+    v = c.tensor("v", a["v"], ndim=4)
+    batch, hq, _, d = q.shape
+    if not HEAD_DIMS[0] <= d <= HEAD_DIMS[1]:
+        raise c.fail("q", f"has head dimension {d} (shape {tuple(q.shape)}); expected {HEAD_DIMS[0]}..{HEAD_DIMS[1]}")
+    for name, t in (("k", k), ("v", v)):
+        c.same_dtype(name, t, q, "q")
+        c.same_device(name, t, q)
+    if k.shape[0] != batch or k.shape[3] != d:
+        raise c.fail("k", f"has shape {tuple(k.shape)}; expected [{batch}, Hkv, Skv, {d}] to match q {tuple(q.shape)}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise c.fail("k", f"has {hkv} heads; expected a positive divisor of the {hq} query heads")
+    c.shape("v", v, tuple(k.shape))
+    if not isinstance(a["causal"], bool):
+        raise c.fail("causal", f"is {a['causal']!r}; expected a bool")
+    scale = a["scale"]
+    a["scale"] = float(d**-0.5 if scale is None else c.number("scale", scale, low=0.0, high=sys.float_info.max))
+    return a
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Masked scores ``[B, Hkv, G, Sq, Skv]`` in the compute dtype, and q, k grouped as ``[B, Hkv, G|1, S, D]``.
+
+    Query heads are grouped by their key/value head so that keys are broadcast, never copied.
+    """
+    ct = compute_dtype(q.dtype)
+    batch, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    qg = q.to(ct).reshape(batch, hkv, hq // hkv, sq, d)
+    kg = k.to(ct)[:, :, None]
+    s = (qg @ kg.transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(sq, device=q.device)[:, None] + (skv - sq)
+        hidden = torch.arange(skv, device=q.device)[None, :] > rows
+        s = s.masked_fill(hidden, float("-inf"))
+    return s, qg, kg
+
+
+def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
+    # A query that sees no key has lse = −∞; the clamp turns its −∞ − (−∞) into exp(−∞) = 0.
+    return torch.exp(s - lse.clamp(min=torch.finfo(lse.dtype).min)[..., None])
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Returns ``(o, lse)``; ``lse`` is ``[B, Hq, Sq]`` in float32 (float64 for float64 input)."""
+    s, _, _ = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    o = _probabilities(s, lse) @ v.to(s.dtype)[:, :, None]
+    return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
+
+
+def attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, o: Tensor, lse: Tensor, do: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v``."""
+    s, qg, kg = _scores(q, k, causal, scale)
+    p = _probabilities(s, lse.reshape(s.shape[:-1]))
+    dog = do.to(s.dtype).reshape(qg.shape)
+    vg = v.to(s.dtype)[:, :, None]
+    dv = (p.transpose(-1, -2) @ dog).sum(2)
+    dp = dog @ vg.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dq = (ds @ kg) * scale
+    dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def visible_pairs(sq: int, skv: int, causal: bool) -> int:
+    """How many (query, key) pairs of one head the mask leaves visible."""
+    if not causal:
+        return sq * skv
+    return sum(min(max(i + skv - sq + 1, 0), skv) for i in range(sq))
+
+
+def _flops(a: Args) -> float:
+    batch, hq, sq, d = a["q"].shape
+    # two matrix products (q·kᵀ and p·v) over the visible pairs
+    return 4.0 * batch * hq * d * visible_pairs(sq, a["k"].shape[2], a["causal"])
+
+
+def _make(g: torch.Generator, dtype: torch.dtype, *, b: int, hq: int, hkv: int, sq: int, skv: int, d: int,
+          causal: bool = False, qk_scale: float = 1.0, transposed: bool = False, **extra: Any) -> Args:
+    def draw(heads: int, seq: int, scale: float) -> Tensor:
+        if transposed:
+            # the layout a fused QKV projection produces: [B, S, H, D] viewed as [B, H, S, D]
+            return randn(g, b, seq, heads, d, dtype=dtype, scale=scale).transpose(1, 2)
+        return randn(g, b, heads, seq, d, dtype=dtype, scale=scale)
+
+    return {"q": draw(hq, sq, qk_scale), "k": draw(hkv, skv, qk_scale), "v": draw(hkv, skv, 1.0),
+            "causal": causal, "scale": None, **extra}
+
+
+def _cases() -> list[Case]:
+    def case(name: str, perf: bool = False, **kw: Any) -> Case:
+        return Case(name, lambda g, dtype: _make(g, dtype, **kw), perf=perf)
+
+    llm = dict(b=2, hq=4, hkv=4, sq=128, skv=128, d=64)
+    return [
+        case("llm", **llm),
+        case("llm_causal", **{**llm, "causal": True}),
+        case("gqa_causal", b=2, hq=8, hkv=2, sq=64, skv=64, d=128, causal=True),
+        case("mqa", b=1, hq=4, hkv=1, sq=33, skv=33, d=32),
+        # decoding with a KV cache: one query sees every key
+        case("decode", b=2, hq=4, hkv=2, sq=1, skv=100, d=64, causal=True),
+        # chunked prefill: the queries are the last Sq positions of the keys
+        case("prefill_chunk", b=1, hq=2, hkv=2, sq=17, skv=100, d=64, causal=True),
+        # more queries than keys: the first Sq − Skv queries see no key and output zeros
+        case("causal_more_queries", b=1, hq=2, hkv=1, sq=20, skv=8, d=16, causal=True),
+        case("odd", b=1, hq=3, hkv=3, sq=3, skv=17, d=80),
+        case("head_dim_256", b=1, hq=2, hkv=1, sq=17, skv=17, d=256, causal=True),
+        case("long", b=1, hq=1, hkv=1, sq=1000, skv=1000, d=64, causal=True),
+        case("strided", b=2, hq=4, hkv=2, sq=64, skv=64, d=64, causal=True, transposed=True),
+        case("explicit_scale", b=1, hq=2, hkv=2, sq=16, skv=16, d=64, scale=0.3),
+        case("zero_batch", b=0, hq=4, hkv=2, sq=16, skv=16, d=64),
+        case("zero_queries", b=2, hq=2, hkv=2, sq=0, skv=16, d=64, causal=True),
+        case("zero_keys", b=2, hq=2, hkv=2, sq=16, skv=0, d=64),
+        # scores with a standard deviation of 64: softmax is nearly one-hot
+        case("huge_scores", b=1, hq=2, hkv=2, sq=64, skv=64, d=64, causal=True, qk_scale=8.0),
+        case("tiny_scores", b=1, hq=2, hkv=2, sq=64, skv=64, d=64, qk_scale=1e-3),
+        case("perf", b=4, hq=32, hkv=32, sq=4096, skv=4096, d=128, causal=True, perf=True),
+    ]
+
+
+def _bad_inputs() -> list[BadInput]:
+    def base(**kw: Any) -> Args:
+        return {"q": torch.randn(2, 4, 8, 16), "k": torch.randn(2, 2, 8, 16), "v": torch.randn(2, 2, 8, 16),
+                "causal": False, "scale": None, **kw}
+
+    return [
+        BadInput("int_q", lambda: base(q=torch.ones(2, 4, 8, 16, dtype=torch.int64))),
+        BadInput("q_rank", lambda: base(q=torch.randn(4, 8, 16))),
+        BadInput("not_a_tensor", lambda: base(v=[[1.0]])),
+        BadInput("head_dim_small", lambda: base(q=torch.randn(2, 4, 8, 8), k=torch.randn(2, 2, 8, 8),
+                                                v=torch.randn(2, 2, 8, 8))),
+        BadInput("head_dim_large", lambda: base(q=torch.randn(1, 1, 2, 512), k=torch.randn(1, 1, 2, 512),
+                                                v=torch.randn(1, 1, 2, 512))),
+        BadInput("k_head_dim", lambda: base(k=torch.randn(2, 2, 8, 32))),
+        BadInput("batch_mismatch", lambda: base(k=torch.randn(3, 2, 8, 16), v=torch.randn(3, 2, 8, 16))),
+        BadInput("heads_not_divisible", lambda: base(k=torch.randn(2, 3, 8, 16), v=torch.randn(2, 3, 8, 16))),
+        BadInput("v_shape", lambda: base(v=torch.randn(2, 2, 9, 16))),
+        BadInput("k_dtype", lambda: base(k=torch.randn(2, 2, 8, 16, dtype=torch.float64))),
+        BadInput("v_device", lambda: base(v=torch.randn(2, 2, 8, 16, device="meta"))),
+        BadInput("causal_not_bool", lambda: base(causal="yes")),
+        BadInput("negative_scale", lambda: base(scale=-1.0)),
+        BadInput("infinite_scale", lambda: base(scale=float("inf"))),
+    ]
+
+
+ATTENTION = KernelSpec(
+    name="attention",
+    signature=attention,
+    validate=validate_attention,
+    forward=attention_forward,
+    backward=attention_backward,
+    outputs=("o",),
+    saved=("lse",),
+    differentiable=("q", "k", "v"),
+    flops=_flops,
+    cases=_cases,
+    bad_inputs=_bad_inputs,
+)
+
+SPECS = (ATTENTION,)

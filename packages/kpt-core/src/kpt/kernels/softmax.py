@@ -1,0 +1,109 @@
+"""Numerically stable softmax along one dimension: ``softmax``.
+
+    m = max(x, dim)
+    y = exp(x − m) / Σ_dim exp(x − m)
+
+Subtracting the maximum keeps every exponent ≤ 0 (no overflow) and the largest term equal to 1
+(the sum never underflows to 0). Backward:
+    dx = y · (dy − Σ_dim dy · y)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax along ``dim``, like ``F.softmax(x, dim)``, numerically stable (max-subtracted).
+
+    ``y = exp(x − max(x, dim)) / Σ_dim exp(x − max(x, dim))`` computed in float32 (float64 for
+    float64). ``x``: any shape with at least one dimension; ``dim`` in ``[-x.dim(), x.dim())``
+    (core passes it to kernel bodies normalized to ``[0, x.dim())``). Returns ``y`` like x.
+    Differentiable with respect to ``x``.
+    """
+    raise AssertionError("signature only: call backend.softmax")
+
+
+def validate_softmax(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
+    c = Check("softmax", dtypes)
+    x = c.tensor("x", a["x"], min_ndim=1)
+    dim = c.number("dim", a["dim"], low=-x.dim(), high=x.dim() - 1, integer=True)
+    return {"x": x, "dim": dim % x.dim()}
+
+
+def softmax_forward(x: Tensor, dim: int) -> tuple[Tensor]:
+    """Returns ``(y,)``."""
+    if x.shape[dim] == 0:
+        # the maximum of an empty dimension is undefined; the result is empty anyway
+        return (torch.empty(x.shape, dtype=x.dtype, device=x.device),)
+    xc = x.to(compute_dtype(x.dtype))
+    e = torch.exp(xc - xc.amax(dim, keepdim=True))
+    return ((e / e.sum(dim, keepdim=True)).to(x.dtype).contiguous(),)
+
+
+def softmax_backward(x: Tensor, dim: int, y: Tensor, dy: Tensor) -> tuple[Tensor]:
+    """Returns ``(dx,)``, from the saved output ``y``."""
+    ct = compute_dtype(x.dtype)
+    yc, dyc = y.to(ct), dy.to(ct)
+    dx = yc * (dyc - (dyc * yc).sum(dim, keepdim=True))
+    return (dx.to(x.dtype).contiguous(),)
+
+
+def _flops(a: Args) -> float:
+    # max, subtract, exp, sum, divide
+    return 5.0 * a["x"].numel()
+
+
+def _make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
+          layout=identity, dim: int = -1) -> Args:
+    return {"x": layout(randn(g, *shape, dtype=dtype, scale=scale)), "dim": dim}
+
+
+def _transposed(t: Tensor) -> Tensor:
+    """The same values as a dense but transposed view (the softmax dimension is not innermost)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _cases() -> list[Case]:
+    def case(name: str, **kw) -> Case:
+        return Case(name, lambda g, dtype: _make(g, dtype, **kw))
+
+    return row_cases(_make, (16384, 8192)) + [
+        case("dim0", shape=(257, 33), dim=0),
+        case("middle_dim", shape=(4, 129, 16), dim=1),
+        case("negative_dim", shape=(3, 100, 5), dim=-2),
+        case("transposed", shape=(100, 64), layout=_transposed),
+        case("zero_size_dim", shape=(4, 0, 8), dim=1),
+    ]
+
+
+def _bad_inputs() -> list[BadInput]:
+    base = dict(x=torch.randn(4, 8), dim=-1)
+    return [
+        BadInput("int_x", lambda: {**base, "x": torch.ones(4, 8, dtype=torch.int64)}),
+        BadInput("scalar_x", lambda: {**base, "x": torch.tensor(1.0)}),
+        BadInput("not_a_tensor", lambda: {**base, "x": [[1.0, 2.0]]}),
+        BadInput("dim_too_large", lambda: {**base, "dim": 2}),
+        BadInput("dim_too_negative", lambda: {**base, "dim": -3}),
+        BadInput("dim_float", lambda: {**base, "dim": 1.0}),
+        BadInput("dim_bool", lambda: {**base, "dim": True}),
+    ]
+
+
+SOFTMAX = KernelSpec(
+    name="softmax",
+    signature=softmax,
+    validate=validate_softmax,
+    forward=softmax_forward,
+    backward=softmax_backward,
+    outputs=("y",),
+    differentiable=("x",),
+    flops=_flops,
+    cases=_cases,
+    bad_inputs=_bad_inputs,
+)
+
+SPECS = (SOFTMAX,)

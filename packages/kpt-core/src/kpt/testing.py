@@ -1,0 +1,209 @@
+"""Checking a backend against the float64 oracle: the engine of the conformance suite.
+
+Vendors can use it in their own unit tests too::
+
+    from kpt.testing import check_forward
+    report = check_forward(backend, kpt.SPECS["rms_norm"], args, torch.bfloat16)
+    assert report.ok, report.message
+
+The oracle is the reference backend run on float64 copies of the inputs on the CPU. Outputs of
+the backend are *poisoned*: while it runs, every new tensor is filled with NaN (integers with
+their largest value), so an element a kernel forgets to write shows up as NaN, and NaN never
+passes. Inputs are compared bit for bit before and after the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .backend import Backend
+from .ops import as_tuple
+from .spec import Args, KernelSpec
+from .tolerance import Tolerance, default_tolerance
+
+_EXACT_FLOAT = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@contextlib.contextmanager
+def poisoned() -> Iterator[None]:
+    """Fill every tensor allocated inside with NaN / the largest integer (``torch.empty`` included)."""
+    import torch.utils.deterministic as det
+
+    was_det, was_warn, was_fill = (torch.are_deterministic_algorithms_enabled(),
+                                   torch.is_deterministic_algorithms_warn_only_enabled(),
+                                   det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = was_fill
+        torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
+
+
+@dataclass
+class Comparison:
+    """How one tensor compares with the oracle; ``worst`` is the largest error/tolerance ratio."""
+
+    name: str
+    ok: bool
+    worst: float
+    message: str = ""
+
+
+@dataclass
+class CheckReport:
+    kernel: str
+    comparisons: list[Comparison] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(c.ok for c in self.comparisons)
+
+    @property
+    def worst(self) -> float:
+        return max((c.worst for c in self.comparisons), default=0.0)
+
+    @property
+    def message(self) -> str:
+        return "; ".join(self.problems + [c.message for c in self.comparisons if not c.ok])
+
+
+def compare(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Comparison:
+    """Compare ``out`` with the oracle ``ref`` (see `kpt.tolerance` for the rule)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return Comparison(name, False, math.inf, f"{name}: shape {tuple(out.shape)} != expected {tuple(ref.shape)}")
+    out, ref = out.detach().cpu(), ref.detach().cpu()
+    if not out.is_floating_point() and not ref.is_floating_point():
+        bad = int((out.to(torch.int64) != ref.to(torch.int64)).sum())
+        return Comparison(name, bad == 0, float(bad > 0), f"{name}: {bad} of {out.numel()} integers differ")
+    o, r = out.to(torch.float64), ref.to(torch.float64)
+    nan = torch.isnan(o) & ~torch.isnan(r)
+    if bool(nan.any()):
+        return Comparison(name, False, math.inf,
+                          f"{name}: {int(nan.sum())} NaN of {o.numel()} (unwritten or invalid elements)")
+    if o.numel() == 0:
+        return Comparison(name, True, 0.0)
+    same_inf = torch.isinf(r) & (o == r)
+    err = torch.where(same_inf | (torch.isnan(o) & torch.isnan(r)), 0.0, (o - r).abs())
+    finite_r = torch.where(torch.isfinite(r), r, 0.0)
+    scale = float(finite_r.abs().max())
+    allowed = tol.atol * scale + tol.rtol * finite_r.abs()
+    elem = float((err / allowed.clamp_min(torch.finfo(torch.float64).tiny)).max())
+    norm_ref = float(torch.linalg.vector_norm(finite_r))
+    rel = float(torch.linalg.vector_norm(err)) / norm_ref if norm_ref > 0 else float(err.max())
+    worst = max(elem, rel / tol.rel_norm)
+    ok = worst <= 1.0 and math.isfinite(worst)
+    msg = "" if ok else (f"{name}: relative error norm {rel:.3g} (allowed {tol.rel_norm:.3g}); worst element "
+                         f"at {elem:.3g}x its tolerance (atol {tol.atol:.3g}*max|ref|, rtol {tol.rtol:.3g})")
+    return Comparison(name, ok, worst, msg)
+
+
+def tolerance_for(backend: Backend, kernel: str, dtype: torch.dtype, out: torch.Tensor) -> Tolerance:
+    """The backend's declared tolerance, else the default table's for the dtype under test
+    (float8 outputs use the float8 row: their rounding dominates)."""
+    key = out.dtype if out.dtype in _EXACT_FLOAT else dtype
+    return backend.tolerance(kernel, key) or default_tolerance(key)
+
+
+def to_oracle(v: Any) -> Any:
+    """A CPU float64 copy of a floating tensor (float8 kept as it is, integers as they are)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    v = v.detach().cpu()
+    return v.to(torch.float64) if v.is_floating_point() and v.dtype not in _EXACT_FLOAT else v.clone()
+
+
+def to_device(args: Args, device: torch.device) -> Args:
+    """Move the tensors to ``device``, keeping non-contiguous layouts non-contiguous."""
+    moved = {}
+    for k, v in args.items():
+        if isinstance(v, torch.Tensor) and v.device != device:
+            base = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=device)
+            v = base.copy_(v)
+        moved[k] = v
+    return moved
+
+
+def _snapshot(args: Args) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def _unchanged(args: Args, before: dict[str, torch.Tensor]) -> list[str]:
+    changed = []
+    for k, v in before.items():
+        now = args[k].detach()
+        if now.shape != v.shape or not torch.equal(_bits(now), _bits(v)):
+            changed.append(f"input '{k}' was modified")
+    return changed
+
+
+def oracle_backend() -> Backend:
+    from .registry import get_backend
+
+    return get_backend("reference")
+
+
+def check_forward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.dtype) -> CheckReport:
+    """Run ``spec`` on ``backend`` (inputs already on its device) and compare with the oracle."""
+    report = CheckReport(spec.name)
+    before = _snapshot(args)
+    with poisoned():
+        outs = as_tuple(backend.call(spec.name, **args))
+    refs = as_tuple(oracle_backend().call(spec.name, **{k: to_oracle(v) for k, v in args.items()}))
+    # the reference on meta tensors gives the exact dtypes the contract promises
+    metas = as_tuple(oracle_backend().call(spec.name, **{k: _meta(v) for k, v in args.items()}))
+    report.problems += _unchanged(args, before)
+    for name, out, ref, meta in zip(spec.outputs, outs, refs, metas):
+        if not out.is_contiguous():
+            report.problems.append(f"output '{name}' is not contiguous")
+        if out.dtype != meta.dtype:
+            report.problems.append(f"output '{name}' has dtype {out.dtype}, expected {meta.dtype}")
+        report.comparisons.append(compare(name, out, ref, tolerance_for(backend, spec.name, dtype, out)))
+    return report
+
+
+def _meta(v: Any) -> Any:
+    return v.detach().to("meta") if isinstance(v, torch.Tensor) else v
+
+
+def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.dtype,
+                   generator: torch.Generator) -> CheckReport:
+    """Gradients through ``backend`` for random output gradients, against the float64 oracle."""
+    report = CheckReport(spec.name)
+    grad_names = [n for n in spec.differentiable if isinstance(args[n], torch.Tensor)]
+    leaves = {k: (v.detach().requires_grad_(True) if k in grad_names else v) for k, v in args.items()}
+    oracle = {k: to_oracle(v) for k, v in args.items()}
+    oracle = {k: (v.requires_grad_(True) if k in grad_names else v) for k, v in oracle.items()}
+    ref_outs = as_tuple(oracle_backend().call(spec.name, **oracle))
+    grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64) if o.is_floating_point() else None
+             for o in ref_outs]
+    before = _snapshot(leaves)
+    with poisoned():
+        outs = as_tuple(backend.call(spec.name, **leaves))
+        pairs = [(o, g.to(o.dtype).to(o.device)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        got = torch.autograd.grad([o for o, _ in pairs], [leaves[n] for n in grad_names],
+                                  [g for _, g in pairs], allow_unused=True)
+    ref_pairs = [(o, g) for o, g in zip(ref_outs, grads) if g is not None and o.requires_grad]
+    expected = torch.autograd.grad([o for o, _ in ref_pairs], [oracle[n] for n in grad_names],
+                                   [g for _, g in ref_pairs], allow_unused=True)
+    report.problems += _unchanged(leaves, before)
+    for name, g, e in zip(grad_names, got, expected):
+        leaf = leaves[name]
+        g = torch.zeros_like(leaf) if g is None else g
+        e = torch.zeros(leaf.shape, dtype=torch.float64) if e is None else e
+        if g.dtype != leaf.dtype:
+            report.problems.append(f"grad of '{name}' has dtype {g.dtype}, expected {leaf.dtype}")
+        report.comparisons.append(compare(f"d{name}", g, e, tolerance_for(backend, spec.name, dtype, g)))
+    return report
