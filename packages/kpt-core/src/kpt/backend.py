@@ -32,13 +32,17 @@ CONTRACT_VERSION = 1
 class PerfBar:
     """A backend's speed promise for one kernel, checked by the conformance performance tests.
 
-    ``min_speedup``: at least this many times faster than torch eager on the same device;
-    ``min_ceiling_fraction``: at least this fraction of the measured memory-copy bandwidth
-    (memory-bound kernels) in the same run. ``None`` means not promised.
+    ``min_speedup``: at least this many times faster than torch eager on the same device (a
+    simulator's bar is below 1: at most 1/x times slower than the reference backend);
+    ``min_ceiling_fraction``: at least this fraction of the bounding ceiling (copy bandwidth or
+    matmul rate) measured in the same run. ``cases``: "perf" times the PERF.md shape on the
+    device; "conformance" times the conformance shapes on the CPU (simulators). ``None`` means
+    not promised.
     """
 
     min_speedup: float | None = None
     min_ceiling_fraction: float | None = None
+    cases: str = "perf"
 
 
 class Backend:

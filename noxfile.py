@@ -1,0 +1,83 @@
+"""Sessions for kpt: unit tests, the conformance suite per backend, its report, lint and benchmarks.
+
+    nox -s conformance report     # the main job: every backend that can run here, then the report
+    nox -s lint tests conformance # what CI runs
+
+Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
+Each conformance session installs kpt-core, one backend package (with the packages it builds on)
+and pytest, and nothing else.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+
+CONSTRAINTS = ("-c", "constraints/ci.txt")
+HAS_NVIDIA_GPU = shutil.which("nvidia-smi") is not None
+
+# conformance profile -> (backend name, packages to install, environment)
+PROFILES: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
+    "reference": ("reference", (), {}),
+    # without a GPU the Triton kernels run on CPU tensors through Triton's interpreter
+    "cuda": ("cuda", ("kpt-triton", "kpt-cuda"), {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}),
+    "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), {}),
+    "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<18,8,RND,SAT>"}),
+}
+PACKAGES = ("kpt-core", "kpt-triton", "kpt-cuda", "kpt-fpga-sim")
+
+
+def _install(session: nox.Session, *packages: str, editable: bool = False) -> None:
+    paths = [f"packages/{p}" for p in ("kpt-core", *packages)]
+    if editable:
+        paths = [arg for p in paths for arg in ("-e", p)]
+    session.install(*CONSTRAINTS, "pytest", *paths)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's unit tests on the CPU (Triton kernels through the interpreter)."""
+    _install(session, *PACKAGES[1:], editable=True)
+    tests = [f"packages/{p}/tests" for p in PACKAGES if Path(f"packages/{p}/tests").is_dir()]
+    session.run("pytest", "-q", *tests, *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+@nox.parametrize("profile", list(PROFILES))
+def conformance(session: nox.Session, profile: str) -> None:
+    """The conformance suite for one backend profile; writes reports/<profile>/."""
+    backend, packages, env = PROFILES[profile]
+    _install(session, *packages)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "conformance", "--kpt-backend", backend,
+                "--kpt-report", f"reports/{profile}", *session.posargs, env=env)
+
+
+@nox.session(venv_backend="none")
+def report(session: nox.Session) -> None:
+    """Gather every profile's conformance table into reports/conformance.md."""
+    parts = [p.read_text() for p in sorted(Path("reports").glob("*/conformance.md"))]
+    if not parts:
+        session.error("no conformance reports under reports/: run `nox -s conformance` first")
+    Path("reports/conformance.md").write_text("# kpt conformance report\n\n" + "\n".join(parts))
+    session.log("wrote reports/conformance.md:\n\n" + "\n".join(parts))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, "ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+@nox.parametrize("backend", ["cuda"])
+def bench(session: nox.Session, backend: str) -> None:
+    """Benchmarks against torch eager and torch.compile on the backend's device (needs a GPU)."""
+    _, packages, _ = PROFILES[backend]
+    _install(session, *packages)
+    session.run("python", "-m", "kpt.benchmark", "--backend", backend, "--out", f"reports/bench-{backend}",
+                *session.posargs)
