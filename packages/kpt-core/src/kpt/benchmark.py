@@ -3,9 +3,9 @@
     python -m kpt.benchmark --backend cuda --out reports/bench
 
 For each kernel's perf case (the PERF.md shape) it times, on the backend's device, the backend,
-torch eager (the contract's reference math, run as plain PyTorch) and torch.compile of the same
-math, forward and forward+backward; it reports time, achieved GB/s or TFLOP/s from the spec's cost
-model, and the fraction of the ceilings measured in the same run (device-to-device copy bandwidth,
+torch eager (the contract's reference math, run as plain PyTorch), torch.compile of the same math
+and Liger-Kernel (where installed), forward and forward+backward. It reports time, achieved GB/s
+or TFLOP/s from the spec's cost model, and the fraction of the ceilings measured in the same run (device-to-device copy bandwidth,
 bf16 matrix product). Every timing is gated on correctness: a backend result that disagrees with
 eager at the perf shape is reported as wrong, with no speed.
 """
@@ -135,6 +135,34 @@ def eager_call(spec: KernelSpec, backend: Backend) -> Callable[..., Any]:
     return call
 
 
+def liger_call(kernel: str) -> Callable[..., Any] | None:
+    """Liger-Kernel's function for ``kernel`` taking the contract's arguments, when Liger is installed."""
+    try:
+        from liger_kernel.transformers import functional as lg
+    except ImportError:
+        return None
+
+    def rope(q, k, cos, sin):
+        return lg.liger_rope(q, k, cos[None] if cos.dim() == 2 else cos, sin[None] if sin.dim() == 2 else sin)
+
+    table: dict[str, Callable[..., Any]] = {
+        "rms_norm": lambda x, weight, eps: lg.liger_rms_norm(x, weight, eps, in_place=False),
+        "add_rms_norm": lambda x, residual, weight, eps: lg.liger_fused_add_rms_norm(
+            x, residual, weight, eps, in_place=False),
+        "layer_norm": lambda x, weight, bias, eps: lg.liger_layer_norm(x, weight, bias, eps),
+        "softmax": lambda x, dim: lg.liger_softmax(x),
+        "swiglu": lambda gate, up: lg.liger_swiglu(gate, up),
+        "geglu": lambda gate, up, approximate: lg.liger_geglu(gate, up),
+        "rope": rope,
+        "cross_entropy": lambda logits, target, ignore_index, label_smoothing, reduction: lg.liger_cross_entropy(
+            logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction),
+        "linear_cross_entropy": lambda hidden, weight, target, bias, ignore_index, reduction:
+            lg.liger_fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
+                                                reduction=reduction),
+    }
+    return table.get(kernel)
+
+
 def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, mode: str,
             ceilings: Ceilings, compare_with: tuple[str, ...] = ("eager", "compile"), seed: int = 0) -> Measurement:
     """Time ``spec`` at ``case`` on ``backend`` and the ``compare_with`` implementations."""
@@ -155,6 +183,9 @@ def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, 
         impls["eager"] = eager
     if "compile" in compare_with:
         impls["compile"] = torch.compile(eager, dynamic=False)
+    liger = liger_call(spec.name) if "liger" in compare_with else None
+    if liger is not None:
+        impls["liger"] = lambda **kw: liger(**spec.validate(spec.bind((), kw), backend.dtypes))
     for name, call in impls.items():
         result.ms[name] = time_ms(_runner(call, spec, args, mode), device)
     values = spec.validate(spec.bind((), args), backend.dtypes)
@@ -179,19 +210,18 @@ def markdown(results: list[Measurement], env: dict[str, str], ceilings: Ceilings
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".",
         f"Ceilings measured in this run: copy {ceilings.copy_gbps:.0f} GB/s, "
         f"matmul {ceilings.matmul_tflops:.0f} TFLOP/s.", "",
-        "| kernel | shape case | dtype | mode | kpt ms | eager ms | compile ms | × eager | × compile "
-        "| GB/s | TFLOP/s | of ceiling |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | shape case | dtype | mode | kpt ms | eager ms | compile ms | Liger ms | × eager | × compile "
+        "| × Liger | GB/s | TFLOP/s | of ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.wrong:
             lines.append(f"| {r.kernel} | {r.case} | {r.dtype} | {r.mode} | WRONG: {r.wrong} |||||||| ")
             continue
-        se, sc = r.speedup("eager"), r.speedup("compile")
-        lines.append(
-            f"| {r.kernel} | {r.case} | {r.dtype} | {r.mode} | {r.ms['backend']:.4f} | {r.ms.get('eager', 0):.4f} "
-            f"| {r.ms.get('compile', 0):.4f} | {se or 0:.2f} | {sc or 0:.2f} | {r.gbps:.0f} | {r.tflops:.1f} "
-            f"| {r.ceiling_fraction:.0%} ({r.bound}) |")
+        ms = [f"{r.ms[k]:.4f}" if k in r.ms else "–" for k in ("backend", "eager", "compile", "liger")]
+        ratios = [f"{r.speedup(k):.2f}" if k in r.ms else "–" for k in ("eager", "compile", "liger")]
+        lines.append(f"| {r.kernel} | {r.case} | {r.dtype} | {r.mode} | {' | '.join(ms)} | {' | '.join(ratios)} "
+                     f"| {r.gbps:.0f} | {r.tflops:.1f} | {r.ceiling_fraction:.0%} ({r.bound}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -207,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     device = backend.device()
     dtype = getattr(torch, opts.dtype)
     ceilings = Ceilings.measure(device)
-    compare_with = ("eager",) if opts.no_compile else ("eager", "compile")
+    compare_with = ("eager", "liger") if opts.no_compile else ("eager", "compile", "liger")
     results = []
     for name in opts.kernels.split(","):
         spec = SPECS[name]

@@ -1,0 +1,51 @@
+"""Run every kernel of a backend once, forward and backward, on its conformance cases.
+
+Meant to run under a memory checker, where the full suite would be too slow:
+
+    compute-sanitizer --tool memcheck python3 scripts/every_kernel.py --backend cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import kpt
+from kpt.ops import as_tuple
+from kpt.testing import to_device
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    opts = parser.parse_args()
+    be = kpt.get_backend(opts.backend)
+    g = torch.Generator().manual_seed(0)
+    calls = 0
+    for spec in kpt.SPECS.values():
+        for case in spec.cases():
+            if case.perf:
+                continue
+            for dtype in (getattr(torch, d) for d in opts.dtypes.split(",")):
+                if case.dtypes and dtype not in case.dtypes:
+                    continue
+                args = to_device(case.make(g, dtype), be.device())
+                names = [n for n in spec.differentiable if isinstance(args[n], torch.Tensor) and case.grad]
+                for n in names:
+                    args[n] = args[n].detach().requires_grad_(True)
+                outs = [o for o in as_tuple(be.call(spec.name, **args)) if o.requires_grad]
+                if outs:
+                    torch.autograd.grad(outs, [args[n] for n in names], [torch.randn_like(o) for o in outs],
+                                        allow_unused=True)
+                calls += 1
+        if be.device().type == "cuda":
+            torch.cuda.synchronize()
+        print(f"{spec.name}: ok", flush=True)
+    print(f"{calls} calls of {len(kpt.SPECS)} kernels ran on {be.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
