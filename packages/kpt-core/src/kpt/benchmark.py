@@ -5,9 +5,9 @@
 For each kernel's perf case (the PERF.md shape) it times, on the backend's device, the backend,
 torch eager (the contract's reference math, run as plain PyTorch), torch.compile of the same math
 and Liger-Kernel (where installed), forward and forward+backward. It reports time, achieved GB/s
-or TFLOP/s from the spec's cost model, and the fraction of the ceilings measured in the same run (device-to-device copy bandwidth,
-bf16 matrix product). Every timing is gated on correctness: a backend result that disagrees with
-eager at the perf shape is reported as wrong, with no speed.
+or TFLOP/s from the spec's cost model, and the fraction of the ceilings measured in the same run
+(device-to-device copy bandwidth, bf16 matrix product). Every timing is gated on correctness: a
+backend result that disagrees with eager at the perf shape is reported as wrong, with no speed.
 """
 
 from __future__ import annotations
