@@ -87,6 +87,7 @@ def test_opcheck(spec: kpt.KernelSpec) -> None:
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_fullgraph_trace(spec: kpt.KernelSpec) -> None:
+    torch._dynamo.reset()  # a fresh trace per kernel: one shared lambda would hit the recompile limit
     args = _first_nonempty(spec, torch.float32)
     compiled = torch.compile(lambda **kw: REF.call(spec.name, **kw), fullgraph=True, backend="aot_eager")
     for expected, got in zip(as_tuple(REF.call(spec.name, **args)), as_tuple(compiled(**args))):

@@ -7,7 +7,9 @@ and both
 * ``|out − ref| ≤ atol · max|ref| + rtol · |ref|`` for every element (``atol`` is relative to the
   tensor's largest magnitude, so one table serves tensors of any scale).
 
-Integer outputs (indices, offsets) must match exactly.
+Differences up to the output dtype's spacing near zero (``finfo.tiny * finfo.eps``: float16's
+subnormal step, 6e-8) are not counted: no result stored in that dtype can be closer. Integer
+outputs (indices, offsets) must match exactly.
 """
 
 from __future__ import annotations

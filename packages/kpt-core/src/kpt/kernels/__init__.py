@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 from ..spec import KernelSpec
-from . import rms_norm
+from . import activations, attention, cross_entropy, fp8, layer_norm, linear, moe, rms_norm, rope, softmax
 
-FAMILIES = (rms_norm,)
+FAMILIES = (rms_norm, layer_norm, softmax, activations, rope, attention, linear, cross_entropy, moe, fp8)
 
 SPECS: dict[str, KernelSpec] = {spec.name: spec for family in FAMILIES for spec in family.SPECS}

@@ -18,6 +18,7 @@ Everything is computed in float32 (float64 for float64) and rounded once to the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -189,7 +190,7 @@ def geglu_backward(
 # Cost model (a transcendental function counts as one flop) and conformance cases.
 
 
-def _per_element(n: float, arg: str):
+def _per_element(n: float, arg: str) -> Callable[[Args], float]:
     def flops(a: Args) -> float:
         return n * a[arg].numel()
     return flops
@@ -199,48 +200,136 @@ MLP_SHAPE = (16384, 11008)
 """The intermediate activation of a 7B-class gated MLP (PERF.md's swiglu/geglu shape)."""
 
 
-def _transposed(t: Tensor) -> Tensor:
-    """The same values as a dense but transposed view: elementwise outputs must still be contiguous."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
-def _make_x(**extra):
+def _make_x(**extra: object) -> Callable[..., Args]:
     def make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
              layout=identity) -> Args:
         return {"x": layout(randn(g, *shape, dtype=dtype, scale=scale)), **extra}
     return make
 
 
-def _make_gated(**extra):
+def _make_gated(**extra: object) -> Callable[..., Args]:
     def make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
              layout=identity) -> Args:
-        # only the gate is scaled: the product must stay finite in float16 (|y| < 6.5e4)
+        # only the gate is scaled (see _cases): up stays O(1)
         gate = layout(randn(g, *shape, dtype=dtype, scale=scale))
         return {"gate": gate, "up": layout(randn(g, *shape, dtype=dtype)), **extra}
     return make
 
 
-def _case(name: str, make, **kw) -> Case:
+def _case(name: str, make: Callable[..., Args], **kw) -> Case:
     return Case(name, lambda g, dtype: make(g, dtype, **kw))
 
 
-def _pointwise_cases(make, other) -> list[Case]:
-    """The row-wise cases, a transposed layout, and a few with the other ``approximate`` (if any)."""
-    cases = row_cases(make, MLP_SHAPE) + [_case("transposed", make, shape=(256, 96), layout=_transposed)]
-    if other is not None:
-        cases += [_case(f"{other['approximate']}_{name}", other, **kw) for name, kw in
-                  [("wide", dict(shape=(17, 1000))), ("huge", dict(shape=(8, 2048), scale=1e4))]]
+def _cases(make: Callable[..., Args], *, gated: bool,
+           alternative: tuple[str, Callable[..., Args]] | None = None) -> Callable[[], list[Case]]:
+    """Row-wise shapes, a transposed layout and extreme magnitudes; ``alternative``
+    (``approximate`` value, make) adds a few cases with the non-default approximation."""
+    # |x| ≫ 88 overflows exp in float32 (a naive sigmoid or tanh gives inf/inf); a gate is scaled
+    # less than a lone input so that gate·up and dy·act(gate) stay below float16's 6.5e4
+    scale = 100.0 if gated else 1e4
+
+    def cases() -> list[Case]:
+        out = row_cases(make, MLP_SHAPE, extreme=False) + [
+            # dense but transposed: elementwise results follow that layout unless made contiguous
+            _case("transposed", make, shape=(256, 96), layout=torch.t),
+            _case("huge", make, shape=(8, 2048), scale=scale),
+            _case("tiny", make, shape=(8, 2048), scale=1e-4),
+        ]
+        if alternative is not None:
+            name, alt = alternative
+            out += [_case(f"{name}_wide", alt, shape=(17, 1000)),
+                    _case(f"{name}_huge", alt, shape=(8, 2048), scale=scale)]
+        return out
     return cases
 
 
-def _gated_cases(make, other) -> list[Case]:
-    cases = row_cases(make, MLP_SHAPE, extreme=False) + [
-        _case("transposed", make, shape=(256, 96), layout=_transposed),
-        # |gate| up to ~450: exp(|gate|) overflows float32, so a naive sigmoid or tanh gives inf/inf
-        _case("huge_gate", make, shape=(8, 2048), scale=100.0),
-        _case("tiny_gate", make, shape=(8, 2048), scale=1e-4),
-    ]
-    if other is not None:
-        cases += [_case(f"{other.approximate}_{name}", other.make, **kw) for name, kw in
-                  [("wide", dict(shape=(17, 1000))), ("huge_gate", dict(shape=(8, 2048), scale=100.0))]]
-    return cases
+def _bad_inputs(kernel: str) -> Callable[[], list[BadInput]]:
+    gated = kernel in ("swiglu", "geglu")
+    has_approximate = kernel in ("gelu", "geglu")
+
+    def bad() -> list[BadInput]:
+        first = "gate" if gated else "x"
+        base: Args = {first: torch.randn(4, 8)}
+        if gated:
+            base["up"] = torch.randn(4, 8)
+        if has_approximate:
+            base["approximate"] = "tanh"
+        out = [
+            BadInput(f"int_{first}", lambda: {**base, first: torch.ones(4, 8, dtype=torch.int64)}),
+            BadInput(f"scalar_{first}", lambda: {**base, first: torch.tensor(1.0)}),
+            BadInput("not_a_tensor", lambda: {**base, first: [[1.0, 2.0]]}),
+        ]
+        if gated:
+            out += [
+                BadInput("up_shape", lambda: {**base, "up": torch.randn(4, 9)}),
+                BadInput("up_broadcast", lambda: {**base, "up": torch.randn(1, 8)}),
+                BadInput("up_dtype", lambda: {**base, "up": torch.randn(4, 8, dtype=torch.float64)}),
+                BadInput("up_device", lambda: {**base, "up": torch.randn(4, 8, device="meta")}),
+                BadInput("int_up", lambda: {**base, "up": torch.ones(4, 8, dtype=torch.int32)}),
+            ]
+        if has_approximate:
+            out += [
+                BadInput("approximate_unknown", lambda: {**base, "approximate": "erf"}),
+                BadInput("approximate_none_object", lambda: {**base, "approximate": None}),
+            ]
+        return out
+    return bad
+
+
+GELU = KernelSpec(
+    name="gelu",
+    signature=gelu,
+    validate=validate_gelu,
+    forward=gelu_forward,
+    backward=gelu_backward,
+    outputs=("y",),
+    differentiable=("x",),
+    # tanh form: x³ (2), multiply-add (2), scale, tanh, add, two multiplies
+    flops=_per_element(9.0, "x"),
+    cases=_cases(_make_x(approximate="none"), gated=False,
+                 alternative=("tanh", _make_x(approximate="tanh"))),
+    bad_inputs=_bad_inputs("gelu"),
+)
+
+SILU = KernelSpec(
+    name="silu",
+    signature=silu,
+    validate=validate_silu,
+    forward=silu_forward,
+    backward=silu_backward,
+    outputs=("y",),
+    differentiable=("x",),
+    # exp, add, divide, multiply
+    flops=_per_element(4.0, "x"),
+    cases=_cases(_make_x(), gated=False),
+    bad_inputs=_bad_inputs("silu"),
+)
+
+SWIGLU = KernelSpec(
+    name="swiglu",
+    signature=swiglu,
+    validate=validate_swiglu,
+    forward=swiglu_forward,
+    backward=swiglu_backward,
+    outputs=("y",),
+    differentiable=("gate", "up"),
+    flops=_per_element(5.0, "gate"),
+    cases=_cases(_make_gated(), gated=True),
+    bad_inputs=_bad_inputs("swiglu"),
+)
+
+GEGLU = KernelSpec(
+    name="geglu",
+    signature=geglu,
+    validate=validate_geglu,
+    forward=geglu_forward,
+    backward=geglu_backward,
+    outputs=("y",),
+    differentiable=("gate", "up"),
+    flops=_per_element(10.0, "gate"),
+    cases=_cases(_make_gated(approximate="tanh"), gated=True,
+                 alternative=("none", _make_gated(approximate="none"))),
+    bad_inputs=_bad_inputs("geglu"),
+)
+
+SPECS = (GELU, SILU, SWIGLU, GEGLU)

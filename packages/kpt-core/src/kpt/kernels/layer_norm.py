@@ -13,8 +13,6 @@ Backward, with g = dy · weight:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -22,7 +20,7 @@ from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, ident
 
 
 def layer_norm(
-    x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
+    x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
 ) -> Tensor:
     """Layer normalization over the last dimension, like ``F.layer_norm(x, (D,), weight, bias, eps)``.
 
@@ -49,7 +47,7 @@ def _row_mean(t: Tensor) -> Tensor:
 
 
 def layer_norm_forward(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(y, mean, rstd)``; ``mean`` and ``rstd`` are ``[rows]`` in float32 (float64 for
     float64 input)."""
@@ -68,8 +66,8 @@ def layer_norm_forward(
 
 
 def layer_norm_backward(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-    y: Tensor, mean: Tensor, rstd: Tensor, dy: Optional[Tensor],
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+    y: Tensor, mean: Tensor, rstd: Tensor, dy: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dx, dweight, dbias)``; ``dweight`` / ``dbias`` are empty when that parameter is None."""
     ct = rstd.dtype
@@ -101,12 +99,13 @@ def _make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], sca
 
 
 def _cases() -> list[Case]:
-    def case(name: str, **kw) -> Case:
-        return Case(name, lambda g, dtype: _make(g, dtype, **kw))
+    def case(name: str, dtypes: tuple[torch.dtype, ...] | None = None, **kw) -> Case:
+        return Case(name, lambda g, dtype: _make(g, dtype, **kw), dtypes=dtypes)
 
     return row_cases(_make, (16384, 4096)) + [
         # mixed precision training: float32 parameters with 16-bit activations
-        case("fp32_params", shape=(5, 256), param_dtype=torch.float32),
+        case("fp32_params", shape=(5, 256), param_dtype=torch.float32,
+             dtypes=(torch.float16, torch.bfloat16)),
         case("no_params", shape=(5, 256), weight=False, bias=False),
         case("weight_only", shape=(5, 256), bias=False),
         case("bias_only", shape=(5, 256), weight=False),
@@ -116,7 +115,7 @@ def _cases() -> list[Case]:
 
 
 def _bad_inputs() -> list[BadInput]:
-    base = dict(x=torch.randn(4, 8), weight=torch.ones(8), bias=torch.zeros(8), eps=1e-5)
+    base = {"x": torch.randn(4, 8), "weight": torch.ones(8), "bias": torch.zeros(8), "eps": 1e-5}
     return [
         BadInput("int_x", lambda: {**base, "x": torch.ones(4, 8, dtype=torch.int64)}),
         BadInput("scalar_x", lambda: {**base, "x": torch.tensor(1.0)}),

@@ -26,7 +26,7 @@ matmul is E masked dense matmuls (E times the work of a real kernel, exact all t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -112,7 +112,8 @@ def validate_moe_dispatch(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     x = c.tensor("x", a["x"], ndim=2)
     indices = _index(c, "indices", a["indices"], 2, x)
     if indices.shape[0] != x.shape[0]:
-        raise c.fail("indices", f"has shape {tuple(indices.shape)}; expected [{x.shape[0]}, k] (one row per token of x)")
+        raise c.fail("indices", f"has shape {tuple(indices.shape)}; expected [{x.shape[0]}, k] "
+                                "(one row per token of x)")
     c.number("num_experts", a["num_experts"], low=1, high=2**31 - 1, integer=True)
     return a
 
@@ -124,7 +125,8 @@ def validate_grouped_linear(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     c.same_dtype("weight", weight, x, "x_sorted")
     c.same_device("weight", weight, x)
     if weight.shape[2] != x.shape[1]:
-        raise c.fail("weight", f"has shape {tuple(weight.shape)}; expected [E, N, {x.shape[1]}] (K of x_sorted)")
+        raise c.fail("weight", f"has shape {tuple(weight.shape)}; expected [E, N, {x.shape[1]}] "
+                               "(K of x_sorted)")
     offsets = _index(c, "offsets", a["offsets"], 1, x)
     c.shape("offsets", offsets, (weight.shape[0] + 1,))
     return a
@@ -149,7 +151,8 @@ def validate_moe_combine(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
 
 def moe_gating_forward(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """Returns ``(weights, indices)``."""
-    lg = logits.to(compute_dtype(logits.dtype))
+    # contiguous: sort and elementwise results keep a transposed input's layout, outputs must not
+    lg = logits.to(compute_dtype(logits.dtype)).contiguous()
     # a stable descending sort keeps equal logits in index order: the contract's tie rule
     idx = torch.sort(lg, dim=-1, descending=True, stable=True).indices[:, :k]
     top = torch.softmax(lg, dim=-1).gather(1, idx)
@@ -159,12 +162,12 @@ def moe_gating_forward(logits: Tensor, k: int, renormalize: bool) -> tuple[Tenso
 
 def moe_gating_backward(
     logits: Tensor, k: int, renormalize: bool, weights: Tensor, indices: Tensor,
-    dweights: Tensor | None, dindices: Tensor | None,
+    dweights: Optional[Tensor], dindices: Optional[Tensor],
 ) -> tuple[Tensor]:
     """Returns ``(dlogits,)``; only the k chosen logits get a gradient when ``renormalize``."""
     ct = weights.dtype
     if dweights is None:
-        return (torch.zeros_like(logits),)
+        return (logits.new_zeros(logits.shape),)
     idx = indices.long()
     dw = dweights.to(ct)
     if renormalize:
@@ -172,7 +175,7 @@ def moe_gating_backward(
         dsel = weights * (dw - (dw * weights).sum(-1, keepdim=True))
         dlogits = torch.zeros(logits.shape, dtype=ct, device=logits.device).scatter_add(1, idx, dsel)
     else:
-        p = torch.softmax(logits.to(ct), dim=-1)
+        p = torch.softmax(logits.to(ct).contiguous(), dim=-1)
         dp = torch.zeros_like(p).scatter_add(1, idx, dw)
         dlogits = p * (dp - (dp * p).sum(-1, keepdim=True))
     return (dlogits.to(logits.dtype),)
@@ -194,13 +197,13 @@ def moe_dispatch_forward(x: Tensor, indices: Tensor, num_experts: int) -> tuple[
 
 def moe_dispatch_backward(
     x: Tensor, indices: Tensor, num_experts: int, x_sorted: Tensor, offsets: Tensor, order: Tensor,
-    dx_sorted: Tensor | None, doffsets: Tensor | None, dorder: Tensor | None,
+    dx_sorted: Optional[Tensor], doffsets: Optional[Tensor], dorder: Optional[Tensor],
 ) -> tuple[Tensor]:
     """Returns ``(dx,)``: each token sums the gradients of its k copies."""
     tokens, k = indices.shape
     ct = compute_dtype(x.dtype)
     if dx_sorted is None:
-        return (torch.zeros_like(x),)
+        return (x.new_zeros(x.shape),)
     per_pair = torch.zeros(tokens * k, x.shape[1], dtype=ct, device=x.device)
     per_pair = per_pair.index_copy(0, order.long(), dx_sorted.to(ct))
     return (per_pair.reshape(tokens, k, x.shape[1]).sum(1).to(x.dtype),)
@@ -223,26 +226,26 @@ def grouped_linear_forward(x_sorted: Tensor, offsets: Tensor, weight: Tensor) ->
 
 
 def grouped_linear_backward(
-    x_sorted: Tensor, offsets: Tensor, weight: Tensor, y: Tensor, dy: Tensor | None
+    x_sorted: Tensor, offsets: Tensor, weight: Tensor, y: Tensor, dy: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(dx_sorted, dweight)``."""
     if dy is None:
-        return torch.zeros_like(x_sorted), torch.zeros_like(weight)
+        return x_sorted.new_zeros(x_sorted.shape), weight.new_zeros(weight.shape)
     ct = compute_dtype(x_sorted.dtype)
     x, w, g = x_sorted.to(ct), weight.to(ct), dy.to(ct)
-    dx = torch.zeros_like(x)
+    dx = x.new_zeros(x.shape)
     dws = []
     for e in range(w.shape[0]):
         ge = g * _expert_rows(offsets, x.shape[0], e)
         dx = dx + ge @ w[e]
         dws.append(ge.T @ x)
-    dw = torch.stack(dws) if dws else torch.zeros_like(w)
+    dw = torch.stack(dws) if dws else w.new_zeros(w.shape)
     return dx.to(x_sorted.dtype), dw.to(weight.dtype)
 
 
 def _unsort(rows: Tensor, order: Tensor) -> Tensor:
     """Rows in expert order back to pair order ``t·k + slot``."""
-    return torch.zeros_like(rows).index_copy(0, order.long(), rows)
+    return rows.new_zeros(rows.shape).index_copy(0, order.long(), rows)
 
 
 def moe_combine_forward(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tuple[Tensor]:
@@ -255,11 +258,11 @@ def moe_combine_forward(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tup
 
 
 def moe_combine_backward(
-    y_sorted: Tensor, order: Tensor, weights: Tensor, y: Tensor, dy: Tensor | None
+    y_sorted: Tensor, order: Tensor, weights: Tensor, y: Tensor, dy: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(dy_sorted, dweights)``."""
     if dy is None:
-        return torch.zeros_like(y_sorted), torch.zeros_like(weights)
+        return y_sorted.new_zeros(y_sorted.shape), weights.new_zeros(weights.shape)
     ct = compute_dtype(y_sorted.dtype)
     tokens, k = weights.shape
     hidden = y_sorted.shape[1]
@@ -290,15 +293,15 @@ def _combine_flops(a: Args) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # Conformance inputs. Routing is drawn at random (k distinct experts per token), or skewed so
-# that some experts receive no rows at all and one receives most of them.
+# that the upper half of the experts receives no rows at all and the lowest ones most of them.
 
 
 def _route(g: torch.Generator, tokens: int, experts: int, k: int, *, skewed: bool = False) -> Tensor:
     """int32 ``[tokens, k]``: k distinct experts per token."""
     noise = torch.rand(tokens, experts, generator=g)
     if skewed:
-        # a steep preference for low experts: the last experts are (almost) never chosen
-        noise = noise + torch.linspace(float(experts), 0.0, experts)
+        # expert 0 always scores >= 2, so an expert whose bias is below 1 never wins with k = 1
+        noise = noise + torch.linspace(2.0, 0.0, experts)
     return torch.sort(noise, dim=-1, descending=True).indices[:, :k].to(torch.int32)
 
 
@@ -311,15 +314,16 @@ def _order(indices: Tensor) -> Tensor:
     return torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
 
 
-def _transposed(t: Tensor) -> Tensor:
-    """The same values as a non-contiguous view: the transpose of a contiguous transpose."""
+def transposed(t: Tensor) -> Tensor:
+    """The same values and shape in a dense column-major layout (the transpose of a contiguous
+    transpose): elementwise torch ops keep that layout, so it catches non-contiguous outputs."""
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def _make_gating(g: torch.Generator, dtype: torch.dtype, *, tokens: int, experts: int, k: int,
-                 renormalize: bool = True, scale: float = 1.0, layout=identity) -> Args:
-    return {"logits": layout(randn(g, tokens, experts, dtype=dtype, scale=scale)), "k": k,
-            "renormalize": renormalize}
+                 renormalize: bool = True, scale: float = 1.0, offset: float = 0.0, layout=identity) -> Args:
+    logits = (randn(g, tokens, experts, dtype=torch.float64, scale=scale) + offset).to(dtype)
+    return {"logits": layout(logits), "k": k, "renormalize": renormalize}
 
 
 def _make_gating_ties(g: torch.Generator, dtype: torch.dtype) -> Args:
@@ -344,11 +348,12 @@ def _make_grouped(g: torch.Generator, dtype: torch.dtype, *, rows: int, k_dim: i
 
 
 def _make_combine(g: torch.Generator, dtype: torch.dtype, *, tokens: int, k: int, hidden: int,
-                  experts: int = 16, weights_like_y: bool = False, layout=identity, w_layout=identity) -> Args:
+                  experts: int = 16, weights_like_y: bool = False, layout=identity,
+                  w_layout=identity) -> Args:
     indices = _route(g, tokens, max(experts, k), k)
     weights = torch.softmax(torch.randn(tokens, k, generator=g, dtype=torch.float64), -1)
     return {"y_sorted": layout(randn(g, tokens * k, hidden, dtype=dtype)), "order": _order(indices),
-            "weights": w_layout(weights.to(dtype if weights_like_y else torch.float32))}
+            "weights": w_layout(weights.to(dtype if weights_like_y else compute_dtype(dtype)))}
 
 
 def _cases_of(make: Callable[..., Args], shapes: dict[str, dict[str, Any]]) -> Callable[[], list[Case]]:
@@ -356,8 +361,8 @@ def _cases_of(make: Callable[..., Args], shapes: dict[str, dict[str, Any]]) -> C
         out = []
         for name, kw in shapes.items():
             kw = dict(kw)
-            perf = kw.pop("perf", False)
-            out.append(Case(name, lambda g, dtype, kw=kw: make(g, dtype, **kw), perf=perf))
+            perf, grad = kw.pop("perf", False), kw.pop("grad", True)
+            out.append(Case(name, lambda g, dtype, kw=kw: make(g, dtype, **kw), perf=perf, grad=grad))
         return out
     return cases
 
@@ -371,10 +376,17 @@ _GATING_CASES = _cases_of(_make_gating, {
     "many_tokens": {"tokens": 4097, "experts": 8, "k": 2},
     "many_experts": {"tokens": 3, "experts": 1000, "k": 17},
     "strided": {"tokens": 33, "experts": 64, "k": 4, "layout": strided},
+    "transposed": {"tokens": 40, "experts": 16, "k": 4, "layout": transposed},
     "zero_tokens": {"tokens": 0, "experts": 64, "k": 8},
-    # saturated softmax: all but the top probabilities underflow, ranking still by logit
-    "huge": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e3},
-    "huge_no_renormalize": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e3, "renormalize": False},
+    # saturated softmax: all but the top probabilities underflow, ranking still by logit. The
+    # gradient p·(dp − Σ dp·p) cancels where p → 1: ill-conditioned, so forward only
+    "huge": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e3, "grad": False},
+    "huge_no_renormalize": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e3, "renormalize": False,
+                            "grad": False},
+    # large logits with an O(1) spread (overflow without the max subtraction; coarse 16-bit
+    # spacing makes ties): a well-conditioned gradient
+    "shifted": {"tokens": 32, "experts": 64, "k": 8, "offset": 1e3},
+    "shifted_no_renormalize": {"tokens": 32, "experts": 64, "k": 8, "offset": 1e3, "renormalize": False},
     "tiny": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e-4},
     "perf": {"tokens": 16384, "experts": 128, "k": 8, "perf": True},
 })
@@ -393,6 +405,7 @@ _DISPATCH_CASES = _cases_of(_make_dispatch, {
     "many_tokens": {"tokens": 4097, "hidden": 4, "experts": 8, "k": 1},
     "empty_experts": {"tokens": 40, "hidden": 64, "experts": 32, "k": 2, "skewed": True},
     "strided": {"tokens": 33, "hidden": 256, "experts": 8, "k": 2, "layout": strided},
+    "transposed": {"tokens": 40, "hidden": 96, "experts": 8, "k": 2, "layout": transposed},
     "zero_tokens": {"tokens": 0, "hidden": 64, "experts": 8, "k": 2},
     "zero_hidden": {"tokens": 5, "hidden": 0, "experts": 8, "k": 2},
     "perf": {"tokens": 16384, "hidden": 2048, "experts": 128, "k": 8, "perf": True},
@@ -405,11 +418,14 @@ _GROUPED_CASES = _cases_of(_make_grouped, {
     "wide": {"rows": 200, "k_dim": 17, "n_dim": 33, "experts": 64},
     "empty_experts": {"rows": 100, "k_dim": 64, "n_dim": 32, "experts": 16, "skewed": True},
     "strided_x": {"rows": 96, "k_dim": 128, "n_dim": 64, "experts": 4, "x_layout": strided},
+    "transposed_x": {"rows": 96, "k_dim": 128, "n_dim": 64, "experts": 4, "x_layout": transposed},
     # expert weights stored [E, K, N] and used as their transpose
-    "transposed_weight": {"rows": 96, "k_dim": 128, "n_dim": 64, "experts": 4, "w_layout": _transposed},
+    "transposed_weight": {"rows": 96, "k_dim": 128, "n_dim": 64, "experts": 4, "w_layout": transposed},
     "zero_rows": {"rows": 0, "k_dim": 64, "n_dim": 32, "experts": 4},
     "zero_k": {"rows": 8, "k_dim": 0, "n_dim": 32, "experts": 4},
-    "perf": {"rows": 131072, "k_dim": 2048, "n_dim": 1536, "experts": 128, "perf": True},
+    # Mixtral-8x7B w1: 16384 tokens x top-2; 8 experts keep the masked reference (E times the
+    # work of one matmul) usable as the eager baseline
+    "perf": {"rows": 32768, "k_dim": 4096, "n_dim": 14336, "experts": 8, "perf": True},
 })
 
 _COMBINE_CASES = _cases_of(_make_combine, {
@@ -419,12 +435,12 @@ _COMBINE_CASES = _cases_of(_make_combine, {
     "wide": {"tokens": 1000, "k": 2, "hidden": 17},
     "many_tokens": {"tokens": 4097, "k": 1, "hidden": 4},
     "weights_like_y": {"tokens": 16, "k": 2, "hidden": 64, "weights_like_y": True},
-    "strided": {"tokens": 33, "k": 2, "hidden": 256, "layout": strided, "w_layout": _transposed},
+    "strided": {"tokens": 33, "k": 2, "hidden": 256, "layout": strided, "w_layout": transposed},
+    "transposed": {"tokens": 40, "k": 2, "hidden": 96, "layout": transposed},
     "zero_tokens": {"tokens": 0, "k": 2, "hidden": 64},
     "zero_hidden": {"tokens": 5, "k": 2, "hidden": 0},
     "perf": {"tokens": 16384, "k": 8, "hidden": 2048, "experts": 128, "perf": True},
 })
-
 
 
 def _gating_bad() -> list[BadInput]:
@@ -450,7 +466,8 @@ def _dispatch_bad() -> list[BadInput]:
         BadInput("indices_float", lambda: {**base, "indices": torch.zeros(4, 2)}),
         BadInput("indices_1d", lambda: {**base, "indices": torch.zeros(4, dtype=torch.int32)}),
         BadInput("indices_tokens", lambda: {**base, "indices": torch.zeros(5, 2, dtype=torch.int32)}),
-        BadInput("indices_device", lambda: {**base, "indices": torch.zeros(4, 2, dtype=torch.int32, device="meta")}),
+        BadInput("indices_device",
+                 lambda: {**base, "indices": torch.zeros(4, 2, dtype=torch.int32, device="meta")}),
         BadInput("num_experts_zero", lambda: {**base, "num_experts": 0}),
         BadInput("num_experts_float", lambda: {**base, "num_experts": 4.0}),
     ]
@@ -473,7 +490,8 @@ def _grouped_bad() -> list[BadInput]:
 
 
 def _combine_bad() -> list[BadInput]:
-    base = {"y_sorted": torch.randn(6, 8), "order": torch.arange(6, dtype=torch.int32), "weights": torch.rand(3, 2)}
+    base = {"y_sorted": torch.randn(6, 8), "order": torch.arange(6, dtype=torch.int32),
+            "weights": torch.rand(3, 2)}
     return [
         BadInput("int_y", lambda: {**base, "y_sorted": torch.ones(6, 8, dtype=torch.int64)}),
         BadInput("y_1d", lambda: {**base, "y_sorted": torch.randn(6)}),

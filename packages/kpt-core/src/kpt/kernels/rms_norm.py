@@ -63,7 +63,8 @@ def validate_add_rms_norm(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
 def _normalize(h: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     ct = compute_dtype(h.dtype)
     hr = rows(h).to(ct)
-    rstd = torch.rsqrt(hr.square().mean(-1) + eps)
+    # an empty row (D = 0) keeps a finite rstd: its mean square is taken as 0
+    rstd = torch.rsqrt(hr.square().sum(-1) / max(hr.shape[-1], 1) + eps)
     y = hr * rstd[:, None]
     if weight is not None:
         y = y * weight.to(ct)

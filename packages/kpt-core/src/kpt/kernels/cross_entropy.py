@@ -1,0 +1,414 @@
+"""Cross-entropy loss, and the same loss fused with the linear layer that produces its logits.
+
+For one row of logits z ∈ ℝ^V with target t (rows with t = ignore_index contribute nothing):
+
+    lse  = log Σ_c exp(z_c)
+    loss = (1 − ε) · (lse − z_t) + ε · (lse − mean(z))          (ε = label_smoothing)
+
+reduced over the rows by "none", "sum" or "mean" (mean over the rows not ignored; 0 when every
+row is ignored). With g_r the gradient that reaches row r (g·[r kept]/n_kept for mean, g·[r kept]
+for sum, g_r·[r kept] for none):
+
+    dz = g_r · (softmax(z) − (1 − ε) · onehot(t) − ε / V)
+
+``linear_cross_entropy`` applies this to z = hidden · weightᵀ + bias chunk of rows by chunk of rows,
+so that the ``[N, V]`` logits are never held. With Z the logits of a chunk H of hidden rows:
+
+    dhidden = dZ · weight,   dweight = Σ_chunks dZᵀ · H,   dbias = Σ_chunks Σ_rows dZ
+
+For reduction "mean"/"sum" the forward computes these for an upstream gradient of 1 while it has
+each chunk's logits (three matrix products in all, like logits + backward of the unfused layers),
+and the backward only scales them. For "none" the forward keeps lse and the backward recomputes
+each chunk's logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, strided
+
+REDUCTIONS = ("mean", "sum", "none")
+
+CHUNK_ELEMENTS = 1 << 24
+"""How many logits `linear_cross_entropy`'s reference holds at once (rows per chunk = this // V)."""
+
+
+def cross_entropy(
+    logits: Tensor, target: Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> Tensor:
+    """Cross-entropy of ``[N, V]`` logits against int64 class targets, like ``F.cross_entropy``.
+
+    ``loss_r = (1 − ε)(lse_r − logits[r, t_r]) + ε (lse_r − mean_c logits[r, c])``, ε =
+    ``label_smoothing`` in [0, 1], computed in float32 (float64 for float64). Rows whose target is
+    ``ignore_index`` give 0 and are not counted; ``reduction`` is ``"mean"`` (over counted rows; 0,
+    never NaN, when every row is ignored), ``"sum"`` or ``"none"``. A target outside ``[0, V)`` that
+    is not ``ignore_index`` is undefined behavior (it is never read back to the host to check).
+    ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
+    logits' dtype. Differentiable with respect to ``logits``.
+    """
+    raise AssertionError("signature only: call backend.cross_entropy")
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target, ignore_index, reduction=reduction)``, fused.
+
+    Never holds the full ``[N, V]`` logits: works through chunks of rows, and for "mean"/"sum"
+    computes the gradients during the forward pass (the backward only scales them).
+    ``hidden``: ``[N, K]`` float; ``weight``: ``[V, K]``, hidden's dtype; ``bias``: ``[V]``, hidden's
+    dtype or float32, or None; ``target``: ``[N]`` int64. Logits and loss in float32 (float64 for
+    float64). Returns a scalar (``[N]`` for "none") in hidden's dtype. Differentiable with respect
+    to ``hidden``, ``weight`` and ``bias``.
+    """
+    raise AssertionError("signature only: call backend.linear_cross_entropy")
+
+
+def _check_targets(c: Check, a: Args, n: int, like: Tensor) -> None:
+    c.tensor("target", a["target"], ndim=1, dtypes=(torch.int64,))
+    c.shape("target", a["target"], (n,))
+    c.same_device("target", a["target"], like)
+    c.number("ignore_index", a["ignore_index"], integer=True)
+    c.choice("reduction", a["reduction"], REDUCTIONS)
+
+
+def validate_cross_entropy(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
+    c = Check("cross_entropy", dtypes)
+    logits = c.tensor("logits", a["logits"], ndim=2)
+    _check_targets(c, a, logits.shape[0], logits)
+    a["label_smoothing"] = float(c.number("label_smoothing", a["label_smoothing"], low=0.0, high=1.0))
+    return a
+
+
+def validate_linear_cross_entropy(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
+    c = Check("linear_cross_entropy", dtypes)
+    hidden = c.tensor("hidden", a["hidden"], ndim=2)
+    weight = c.tensor("weight", a["weight"], ndim=2)
+    c.same_dtype("weight", weight, hidden, "hidden")
+    c.same_device("weight", weight, hidden)
+    if weight.shape[1] != hidden.shape[1]:
+        raise c.fail("weight", f"has shape {tuple(weight.shape)}; expected [V, {hidden.shape[1]}] "
+                               f"to match hidden {tuple(hidden.shape)}")
+    c.param("bias", a["bias"], hidden, (weight.shape[0],))
+    _check_targets(c, a, hidden.shape[0], hidden)
+    return a
+
+
+def _row_losses(z: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, lse: Tensor) -> Tensor:
+    """Per-row losses of compute-dtype logits ``z`` ``[n, V]`` with row log-sum-exp ``lse`` (0 if ignored)."""
+    kept = target != ignore_index
+    # an ignored target may be any integer: read class 0 in its place (nothing at all without classes)
+    safe = torch.where(kept, target, 0)[:, None]
+    loss = lse - (z.gather(1, safe)[:, 0] if z.shape[1] else torch.zeros_like(lse))
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - z.mean(-1))
+    return torch.where(kept, loss, 0)
+
+
+def _one_hot(target: Tensor, classes: int) -> Tensor:
+    return torch.arange(classes, device=target.device) == target[:, None]
+
+
+def _dlogits(z: Tensor, target: Tensor, lse: Tensor, label_smoothing: float, row_grad: Tensor) -> Tensor:
+    """``row_grad[:, None] · (softmax(z) − (1 − ε) onehot − ε / V)``; ``row_grad`` is 0 on ignored rows."""
+    d = torch.exp(z - lse[:, None]) - (1 - label_smoothing) * _one_hot(target, z.shape[1]).to(z.dtype)
+    if label_smoothing:
+        # max: with no classes d is empty anyway
+        d = d - label_smoothing / max(z.shape[1], 1)
+    return d * row_grad[:, None]
+
+
+def _kept(target: Tensor, ignore_index: int) -> Tensor:
+    """How many rows count towards the mean, at least 1 so that all-ignored gives 0, not NaN."""
+    return (target != ignore_index).sum().clamp(min=1)
+
+
+def _reduce(losses: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    return total if reduction == "sum" else total / _kept(target, ignore_index)
+
+
+def _row_grads(dloss: Tensor, target: Tensor, ignore_index: int, reduction: str, ct: torch.dtype) -> Tensor:
+    """The gradient reaching each row's loss: ``[N]`` in ``ct``, 0 on ignored rows."""
+    g = dloss.to(ct)
+    if reduction == "mean":
+        g = g / _kept(target, ignore_index)
+    return torch.where(target != ignore_index, g, 0)
+
+
+def cross_entropy_forward(
+    logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(loss, lse)``; ``lse`` is ``[N]`` in float32 (float64 for float64 input)."""
+    z = logits.to(compute_dtype(logits.dtype))
+    lse = torch.logsumexp(z, -1)
+    losses = _row_losses(z, target, ignore_index, label_smoothing, lse)
+    return _reduce(losses, target, ignore_index, reduction).to(logits.dtype), lse
+
+
+def cross_entropy_backward(
+    logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
+    loss: Tensor, lse: Tensor, dloss: Optional[Tensor],
+) -> tuple[Tensor]:
+    """Returns ``(dlogits,)``, contiguous, in logits' dtype."""
+    # contiguous: elementwise math would keep a transposed input's layout, and outputs must not
+    z = logits.to(lse.dtype).contiguous()
+    row_grad = _row_grads(dloss, target, ignore_index, reduction, lse.dtype)
+    return (_dlogits(z, target, lse, label_smoothing, row_grad).to(logits.dtype),)
+
+
+def _chunked(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+    row_grad: Optional[Tensor], lse: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Optional[tuple[Tensor, Tensor, Tensor]]]:
+    """One pass over chunks of rows of ``z = hidden · weightᵀ + bias``, each chunk's logits computed once.
+
+    Returns the per-row losses, the row lse (``lse`` itself when given) and, when ``row_grad`` (the
+    gradient reaching each row's loss) is given, ``(dhidden, dweight, dbias)`` (``dbias`` empty without
+    bias); all in the compute dtype.
+    """
+    ct = compute_dtype(hidden.dtype)
+    w = weight.to(ct)
+    b = bias.to(ct) if bias is not None else None
+    step = max(1, CHUNK_ELEMENTS // max(weight.shape[0], 1))
+    losses, lses, dhs = [], [], []
+    if row_grad is not None:
+        dw, db = w.new_zeros(w.shape), w.new_zeros(w.shape[0] if b is not None else 0)
+    # max(n, 1): with no rows, one empty chunk still gives every result its shape
+    for start in range(0, max(hidden.shape[0], 1), step):
+        r = slice(start, start + step)
+        h = hidden[r].to(ct)
+        z = h @ w.T if b is None else torch.addmm(b, h, w.T)
+        lse_r = torch.logsumexp(z, -1) if lse is None else lse[r]
+        losses.append(_row_losses(z, target[r], ignore_index, 0.0, lse_r))
+        lses.append(lse_r)
+        if row_grad is not None:
+            dz = _dlogits(z, target[r], lse_r, 0.0, row_grad[r])
+            dhs.append(dz @ w)
+            dw = dw + dz.T @ h
+            if b is not None:
+                db = db + dz.sum(0)
+    grads = (torch.cat(dhs), dw, db) if row_grad is not None else None
+    return torch.cat(losses), torch.cat(lses), grads
+
+
+def _grads_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dh: Tensor, dw: Tensor, db: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """Rounded to the dtypes of hidden, weight and bias (empty ``dbias`` without bias)."""
+    dbias = db.to(bias.dtype) if bias is not None else db.new_empty(0)
+    return dh.to(hidden.dtype), dw.to(weight.dtype), dbias
+
+
+def linear_cross_entropy_forward(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
+    needs_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(loss, dhidden, dweight, dbias, lse)``.
+
+    ``dhidden``/``dweight``/``dbias`` (in the dtypes of hidden/weight/bias) are the gradients for an
+    upstream gradient of 1 when ``reduction`` is "mean" or "sum" and ``needs_grad``; otherwise (and
+    ``dbias`` without bias) they are empty. ``lse``: ``[N]`` in float32 (float64 for float64 input).
+    """
+    ct = compute_dtype(hidden.dtype)
+    fused = needs_grad and reduction != "none"
+    one = hidden.new_ones((), dtype=ct)
+    row_grad = _row_grads(one, target, ignore_index, reduction, ct) if fused else None
+    losses, lse, grads = _chunked(hidden, weight, bias, target, ignore_index, row_grad)
+    loss = _reduce(losses, target, ignore_index, reduction).to(hidden.dtype)
+    empty = (hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0))
+    return (loss, *(_grads_out(hidden, weight, bias, *grads) if grads is not None else empty), lse)
+
+
+def linear_cross_entropy_backward(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
+    needs_grad: bool, loss: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor, lse: Tensor,
+    dloss: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(dhidden, dweight, dbias)``; ``dbias`` is empty when ``bias`` is None.
+
+    Scales the forward's gradients when it made them, else recomputes the logits chunk by chunk.
+    """
+    ct = lse.dtype
+    if needs_grad and reduction != "none":
+        g = dloss.to(ct)
+        return _grads_out(hidden, weight, bias, dhidden.to(ct) * g, dweight.to(ct) * g, dbias.to(ct) * g)
+    row_grad = _row_grads(dloss, target, ignore_index, reduction, ct)
+    _, _, grads = _chunked(hidden, weight, bias, target, ignore_index, row_grad, lse)
+    return _grads_out(hidden, weight, bias, *grads)
+
+
+def _cross_entropy_flops(a: Args) -> float:
+    # per logit: subtract the maximum, exponentiate, accumulate
+    return 3.0 * a["logits"].numel()
+
+
+def _linear_cross_entropy_flops(a: Args) -> float:
+    (n, k), v = a["hidden"].shape, a["weight"].shape[0]
+    # the logits' matrix product; the fused gradients add two more of the same size
+    return 2.0 * n * k * v
+
+
+def _targets(g: torch.Generator, n: int, classes: int, ignored: float, ignore_index: int) -> Tensor:
+    target = torch.randint(0, max(classes, 1), (n,), generator=g)
+    drop = torch.rand(n, generator=g) < (ignored if classes else 1.0)
+    return target.masked_fill(drop, ignore_index)
+
+
+def _make_ce(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
+             layout=identity, reduction: str = "mean", ignored: float = 0.1, label_smoothing: float = 0.0,
+             ignore_index: int = -100) -> Args:
+    logits = layout(randn(g, math.prod(shape[:-1]), shape[-1], dtype=dtype, scale=scale))
+    return {"logits": logits, "target": _targets(g, *logits.shape, ignored, ignore_index),
+            "ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction}
+
+
+def _cross_entropy_cases() -> list[Case]:
+    def case(name: str, **kw: Any) -> Case:
+        return Case(name, lambda g, dtype: _make_ce(g, dtype, **kw))
+
+    return row_cases(_make_ce, (8192, 128256)) + [
+        case("vocab_32000", shape=(32, 32000)),
+        case("sum", shape=(17, 1000), reduction="sum"),
+        case("none", shape=(17, 1000), reduction="none"),
+        case("label_smoothing", shape=(17, 1000), label_smoothing=0.1),
+        case("label_smoothing_none", shape=(3, 4097), label_smoothing=0.2, reduction="none"),
+        # ignore_index may be a real class id (a padding token)
+        case("ignore_class_0", shape=(64, 7), ignore_index=0, ignored=0.0),
+        case("all_ignored", shape=(8, 100), ignored=1.0),
+        case("all_ignored_none", shape=(8, 100), ignored=1.0, reduction="none"),
+        case("zero_rows_sum", shape=(0, 512), reduction="sum"),
+        # dense but transposed ([65, 300] logits over a [300, 65] buffer): dlogits must still be contiguous
+        case("transposed", shape=(300, 65), layout=torch.t),
+    ]
+
+
+def _make_lce(g: torch.Generator, dtype: torch.dtype, *, n: int, k: int, v: int, reduction: str = "mean",
+              ignored: float = 0.1, bias: bool | torch.dtype = False, scale: float = 1.0,
+              w_scale: float = 1.0, layout=identity, transposed: bool = False) -> Args:
+    """``bias``: True for a bias in hidden's dtype, or the bias dtype; ``transposed``: hidden and
+    weight are transposed views of ``[K, N]`` and ``[K, V]`` buffers."""
+    def matrix(rows: int, cols: int, scale: float) -> Tensor:
+        if transposed:
+            return randn(g, cols, rows, dtype=dtype, scale=scale).T
+        return layout(randn(g, rows, cols, dtype=dtype, scale=scale))
+
+    # weight ~ N(0, w_scale² / K): logits of the order of scale · w_scale
+    return {"hidden": matrix(n, k, scale), "weight": matrix(v, k, w_scale * max(k, 1) ** -0.5),
+            "target": _targets(g, n, v, ignored, -100),
+            "bias": randn(g, v, dtype=dtype if bias is True else bias) if bias else None,
+            "ignore_index": -100, "reduction": reduction}
+
+
+def _linear_cross_entropy_cases() -> list[Case]:
+    def case(name: str, dtypes: tuple[torch.dtype, ...] | None = None, **kw: Any) -> Case:
+        return Case(name, lambda g, dtype: _make_lce(g, dtype, **kw), dtypes=dtypes)
+
+    return [
+        case("llm", n=64, k=256, v=1000),
+        case("single", n=1, k=1, v=1),
+        case("odd", n=17, k=3, v=33, reduction="sum"),
+        case("none", n=17, k=64, v=1000, reduction="none"),
+        case("long_vocab", n=4, k=64, v=4097),
+        case("bias", n=33, k=64, v=300, bias=True),
+        case("bias_none", n=33, k=64, v=300, bias=True, reduction="none"),
+        # mixed precision training: float32 bias with 16-bit activations
+        case("fp32_bias", n=33, k=64, v=300, bias=torch.float32, reduction="sum",
+             dtypes=(torch.float16, torch.bfloat16)),
+        case("strided", n=33, k=64, v=257, layout=strided),
+        case("transposed", n=33, k=64, v=257, transposed=True),
+        case("zero_rows", n=0, k=64, v=100),
+        case("zero_hidden", n=4, k=0, v=100, reduction="sum"),
+        case("all_ignored", n=8, k=64, v=100, ignored=1.0),
+        case("all_ignored_none", n=8, k=64, v=100, ignored=1.0, reduction="none"),
+        # logits with a standard deviation of 20 (beyond 88, exp overflows float32 without the
+        # maximum subtracted); larger logits would be ill-conditioned in float32 itself
+        case("huge", n=16, k=64, v=512, scale=20.0),
+        # logits of 1e-4, a nearly uniform softmax; hidden and weight share the smallness so that
+        # both gradients stay normal float16 numbers
+        case("tiny", n=16, k=64, v=512, scale=1e-2, w_scale=1e-2, reduction="sum"),
+        # the cross_entropy perf shape (Llama 3 vocabulary) behind its 4096-wide hidden state
+        Case("perf", lambda g, dtype: _make_lce(g, dtype, n=8192, k=4096, v=128256), perf=True),
+    ]
+
+
+def _bad_inputs_ce() -> list[BadInput]:
+    def base(**kw: Any) -> Args:
+        return {"logits": torch.randn(4, 10), "target": torch.tensor([1, 2, -100, 9]), "ignore_index": -100,
+                "label_smoothing": 0.0, "reduction": "mean", **kw}
+
+    return [
+        BadInput("int_logits", lambda: base(logits=torch.ones(4, 10, dtype=torch.int64))),
+        BadInput("logits_rank", lambda: base(logits=torch.randn(2, 2, 10))),
+        BadInput("not_a_tensor", lambda: base(logits=[[1.0, 2.0]])),
+        BadInput("float_target", lambda: base(target=torch.zeros(4))),
+        BadInput("int32_target", lambda: base(target=torch.zeros(4, dtype=torch.int32))),
+        BadInput("target_shape", lambda: base(target=torch.zeros(5, dtype=torch.int64))),
+        BadInput("target_device", lambda: base(target=torch.zeros(4, dtype=torch.int64, device="meta"))),
+        BadInput("reduction", lambda: base(reduction="avg")),
+        BadInput("label_smoothing_high", lambda: base(label_smoothing=1.5)),
+        BadInput("label_smoothing_negative", lambda: base(label_smoothing=-0.1)),
+        BadInput("ignore_index_float", lambda: base(ignore_index=-100.0)),
+    ]
+
+
+def _bad_inputs_lce() -> list[BadInput]:
+    def base(**kw: Any) -> Args:
+        return {"hidden": torch.randn(4, 8), "weight": torch.randn(10, 8),
+                "target": torch.tensor([1, 2, -100, 9]), "bias": None, "ignore_index": -100,
+                "reduction": "mean", **kw}
+
+    return [
+        BadInput("int_hidden", lambda: base(hidden=torch.ones(4, 8, dtype=torch.int64))),
+        BadInput("hidden_rank", lambda: base(hidden=torch.randn(2, 4, 8))),
+        BadInput("weight_rank", lambda: base(weight=torch.randn(10))),
+        BadInput("weight_in_features", lambda: base(weight=torch.randn(10, 9))),
+        BadInput("weight_dtype", lambda: base(weight=torch.randn(10, 8, dtype=torch.float64))),
+        BadInput("weight_device", lambda: base(weight=torch.randn(10, 8, device="meta"))),
+        BadInput("bias_shape", lambda: base(bias=torch.zeros(9))),
+        BadInput("bias_dtype", lambda: base(bias=torch.zeros(10, dtype=torch.float16))),
+        BadInput("float_target", lambda: base(target=torch.zeros(4))),
+        BadInput("target_shape", lambda: base(target=torch.zeros(3, dtype=torch.int64))),
+        BadInput("reduction", lambda: base(reduction="batchmean")),
+        BadInput("ignore_index_str", lambda: base(ignore_index="pad")),
+    ]
+
+
+CROSS_ENTROPY = KernelSpec(
+    name="cross_entropy",
+    signature=cross_entropy,
+    validate=validate_cross_entropy,
+    forward=cross_entropy_forward,
+    backward=cross_entropy_backward,
+    outputs=("loss",),
+    saved=("lse",),
+    differentiable=("logits",),
+    flops=_cross_entropy_flops,
+    cases=_cross_entropy_cases,
+    bad_inputs=_bad_inputs_ce,
+)
+
+LINEAR_CROSS_ENTROPY = KernelSpec(
+    name="linear_cross_entropy",
+    signature=linear_cross_entropy,
+    validate=validate_linear_cross_entropy,
+    forward=linear_cross_entropy_forward,
+    backward=linear_cross_entropy_backward,
+    outputs=("loss",),
+    saved=("dhidden", "dweight", "dbias", "lse"),
+    differentiable=("hidden", "weight", "bias"),
+    needs_grad_arg=True,
+    flops=_linear_cross_entropy_flops,
+    cases=_linear_cross_entropy_cases,
+    bad_inputs=_bad_inputs_lce,
+)
+
+SPECS = (CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)
