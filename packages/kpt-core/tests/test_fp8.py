@@ -76,12 +76,16 @@ def test_all_zero_input_has_scale_one(fp8_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
-def test_quantize_never_overflows(fp8_dtype: torch.dtype) -> None:
-    # tiny positive amax: the scale is a float32 subnormal, some quotients land above the maximum
-    x = torch.tensor([[3e-44, -2.9e-44, 1e-45], [6e4, -6.5e4, 1.0]])
+def test_quantize_saturates_and_never_divides_by_zero(fp8_dtype: torch.dtype) -> None:
+    # row 0: amax / fp8_max underflows float32 to 0, so the scale falls back to 1;
+    # row 1: a subnormal scale rounded down, so amax / scale lands above fp8_max
+    x = torch.tensor([[3e-44, -2.9e-44, 1e-45], [1e-40, -5e-41, 0.0], [6e4, -6.5e4, 1.0]])
     xq, scale = REF.quantize_fp8(x, "row", fp8_dtype)
-    assert torch.isfinite(xq.float()).all() and (scale > 0).all()
-    assert (xq.float().abs() <= torch.finfo(fp8_dtype).max).all()
+    fp8_max = torch.finfo(fp8_dtype).max
+    assert scale[0].item() == 1.0 and (xq[0].float() == 0).all()
+    assert x[1, 0].item() / scale[1].item() > fp8_max
+    assert xq[1, 0].item() == fp8_max
+    assert torch.isfinite(xq.float()).all() and (xq.float().abs() <= fp8_max).all()
 
 
 @pytest.mark.parametrize("granularity, shape", [("tensor", (0, 8)), ("row", (0, 8)), ("row", (3, 0)),

@@ -82,7 +82,10 @@ def test_opcheck(spec: kpt.KernelSpec) -> None:
     op = getattr(torch.ops, REF.op_namespace)
     REF.call(spec.name, **args)  # registers the ops
     values = _forward_args(spec, args, needs_grad=bool(spec.differentiable))
-    torch.library.opcheck(getattr(op, spec.name).default, tuple(values))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if any(isinstance(v, torch.Tensor) and v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for v in values):
+        utils = utils[1:]  # the schema check compares inputs with allclose, which CPU float8 lacks
+    torch.library.opcheck(getattr(op, spec.name).default, tuple(values), test_utils=utils)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

@@ -199,6 +199,12 @@ def strided(t: torch.Tensor) -> torch.Tensor:
     return wide[..., ::2]
 
 
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """The same values and shape in a dense column-major layout (the transpose of a contiguous
+    transpose): elementwise torch ops keep that layout, so it catches non-contiguous outputs."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
 ROW_SHAPES: dict[str, tuple[int, ...]] = {
     "llm": (4, 32, 4096),
     "single_row": (1, 64),

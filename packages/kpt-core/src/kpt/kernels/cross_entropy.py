@@ -30,7 +30,19 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, strided
+from ..spec import (
+    Args,
+    BadInput,
+    Case,
+    Check,
+    KernelSpec,
+    compute_dtype,
+    identity,
+    randn,
+    row_cases,
+    strided,
+    transposed,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -286,23 +298,17 @@ def _cross_entropy_cases() -> list[Case]:
         case("all_ignored", shape=(8, 100), ignored=1.0),
         case("all_ignored_none", shape=(8, 100), ignored=1.0, reduction="none"),
         case("zero_rows_sum", shape=(0, 512), reduction="sum"),
-        # dense but transposed ([65, 300] logits over a [300, 65] buffer): dlogits must still be contiguous
-        case("transposed", shape=(300, 65), layout=torch.t),
+        case("transposed", shape=(65, 300), layout=transposed),
     ]
 
 
 def _make_lce(g: torch.Generator, dtype: torch.dtype, *, n: int, k: int, v: int, reduction: str = "mean",
               ignored: float = 0.1, bias: bool | torch.dtype = False, scale: float = 1.0,
-              w_scale: float = 1.0, layout=identity, transposed: bool = False) -> Args:
-    """``bias``: True for a bias in hidden's dtype, or the bias dtype; ``transposed``: hidden and
-    weight are transposed views of ``[K, N]`` and ``[K, V]`` buffers."""
-    def matrix(rows: int, cols: int, scale: float) -> Tensor:
-        if transposed:
-            return randn(g, cols, rows, dtype=dtype, scale=scale).T
-        return layout(randn(g, rows, cols, dtype=dtype, scale=scale))
-
+              w_scale: float = 1.0, layout=identity) -> Args:
+    """``bias``: True for a bias in hidden's dtype, or the bias dtype."""
     # weight ~ N(0, w_scale² / K): logits of the order of scale · w_scale
-    return {"hidden": matrix(n, k, scale), "weight": matrix(v, k, w_scale * max(k, 1) ** -0.5),
+    return {"hidden": layout(randn(g, n, k, dtype=dtype, scale=scale)),
+            "weight": layout(randn(g, v, k, dtype=dtype, scale=w_scale * max(k, 1) ** -0.5)),
             "target": _targets(g, n, v, ignored, -100),
             "bias": randn(g, v, dtype=dtype if bias is True else bias) if bias else None,
             "ignore_index": -100, "reduction": reduction}
@@ -324,7 +330,7 @@ def _linear_cross_entropy_cases() -> list[Case]:
         case("fp32_bias", n=33, k=64, v=300, bias=torch.float32, reduction="sum",
              dtypes=(torch.float16, torch.bfloat16)),
         case("strided", n=33, k=64, v=257, layout=strided),
-        case("transposed", n=33, k=64, v=257, transposed=True),
+        case("transposed", n=33, k=64, v=257, layout=transposed),
         case("zero_rows", n=0, k=64, v=100),
         case("zero_hidden", n=4, k=0, v=100, reduction="sum"),
         case("all_ignored", n=8, k=64, v=100, ignored=1.0),

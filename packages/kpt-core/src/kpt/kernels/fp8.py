@@ -36,8 +36,8 @@ from ..spec import (
     row_cases,
     rows,
     strided,
+    transposed,
 )
-from .moe import transposed
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 GRANULARITIES = ("tensor", "row")

@@ -21,7 +21,19 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, rows, strided
+from ..spec import (
+    Args,
+    BadInput,
+    Case,
+    Check,
+    KernelSpec,
+    compute_dtype,
+    identity,
+    randn,
+    rows,
+    strided,
+    transposed,
+)
 from .activations import _gelu, _gelu_grad, _silu, _silu_grad
 
 
@@ -107,17 +119,12 @@ def _flops(a: Args) -> float:
 
 def _make(g: torch.Generator, dtype: torch.dtype, *, x: tuple[int, ...], n: int,
           bias: bool | torch.dtype = False, activation: Optional[str] = None, scale: float = 1.0,
-          layout=identity, transposed: bool = False) -> Args:
-    """``bias``: True for a bias in the activations' dtype, or the bias dtype; ``transposed``: a 2-D
-    x and the weight are transposed views of ``[K, M]`` and ``[K, N]`` buffers."""
-    def matrix(*shape: int, scale: float) -> Tensor:
-        if transposed:
-            return randn(g, *reversed(shape), dtype=dtype, scale=scale).T
-        return layout(randn(g, *shape, dtype=dtype, scale=scale))
-
+          layout=identity) -> Args:
+    """``bias``: True for a bias in the activations' dtype, or the bias dtype."""
     k = x[-1]
     # weight ~ N(0, 1/K): pre-activations of the order of x, where the activations bend
-    return {"x": matrix(*x, scale=scale), "weight": matrix(n, k, scale=max(k, 1) ** -0.5),
+    return {"x": layout(randn(g, *x, dtype=dtype, scale=scale)),
+            "weight": layout(randn(g, n, k, dtype=dtype, scale=max(k, 1) ** -0.5)),
             "bias": randn(g, n, dtype=dtype if bias is True else bias) if bias else None,
             "activation": activation}
 
@@ -141,7 +148,7 @@ def _cases() -> list[Case]:
         case("k_4097", x=(2, 4097), n=3),
         case("strided", x=(33, 128), n=64, bias=True, activation="gelu", layout=strided),
         # a tied embedding's weight is often the transpose of a [K, N] buffer
-        case("transposed", x=(48, 128), n=96, activation="gelu_tanh", transposed=True),
+        case("transposed", x=(48, 128), n=96, activation="gelu_tanh", layout=transposed),
         case("zero_rows", x=(0, 64), n=32, bias=True, activation="gelu"),
         case("zero_k", x=(4, 0), n=8, bias=True, activation="relu"),
         case("zero_n", x=(4, 64), n=0, activation="silu"),

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, strided
+from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, strided, transposed
 
 INDEX_DTYPES = (torch.int32,)
 """Routing tensors (indices, offsets, order) are int32: 2³¹ rows is beyond any single call."""
@@ -312,12 +312,6 @@ def _offsets(indices: Tensor, experts: int) -> Tensor:
 
 def _order(indices: Tensor) -> Tensor:
     return torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
-
-
-def transposed(t: Tensor) -> Tensor:
-    """The same values and shape in a dense column-major layout (the transpose of a contiguous
-    transpose): elementwise torch ops keep that layout, so it catches non-contiguous outputs."""
-    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def _make_gating(g: torch.Generator, dtype: torch.dtype, *, tokens: int, experts: int, k: int,
