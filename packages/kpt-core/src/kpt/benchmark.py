@@ -4,10 +4,11 @@
 
 For each kernel's perf case (the PERF.md shape) it times, on the backend's device, the backend,
 torch eager (the contract's reference math, run as plain PyTorch), torch.compile of the same math
-and Liger-Kernel (where installed), forward and forward+backward. It reports time, achieved GB/s
-or TFLOP/s from the spec's cost model, and the fraction of the ceilings measured in the same run
-(device-to-device copy bandwidth, bf16 matrix product). Every timing is gated on correctness: a
-backend result that disagrees with eager at the perf shape is reported as wrong, with no speed.
+and the best library present (SDPA, cuBLAS, Liger-Kernel where installed), forward and
+forward+backward. It reports time, achieved GB/s or TFLOP/s from the spec's cost model, and the
+fraction of the ceilings measured in the same run (device-to-device copy bandwidth, bf16 matrix
+product). Every timing is gated on correctness: a backend result that disagrees with eager at the
+perf shape is reported as wrong, with no speed.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Measurement:
     tflops: float = 0.0
     ceiling_fraction: float = 0.0
     bound: str = ""
+    library: str = ""
     wrong: str = ""
 
     def speedup(self, other: str) -> float | None:
@@ -135,8 +137,28 @@ def eager_call(spec: KernelSpec, backend: Backend) -> Callable[..., Any]:
     return call
 
 
-def liger_call(kernel: str) -> Callable[..., Any] | None:
-    """Liger-Kernel's function for ``kernel`` taking the contract's arguments, when Liger is installed."""
+def library_call(kernel: str) -> tuple[str, Callable[..., Any]] | None:
+    """The best library function present for ``kernel``, taking the contract's arguments:
+    cuDNN/FlashAttention through SDPA, cuBLAS (``torch._scaled_mm`` for FP8), else Liger-Kernel."""
+    import torch.nn.functional as F
+
+    acts = {None: lambda t: t, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
+            "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+    def sdpa(q, k, v, causal, scale):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+
+    def scaled_mm(xq, x_scale, wq, w_scale, bias, out_dtype):
+        return torch._scaled_mm(xq, wq.t(), x_scale, w_scale.reshape(1, -1) if w_scale.dim() else w_scale,
+                                bias=bias, out_dtype=out_dtype)
+
+    native: dict[str, tuple[str, Callable[..., Any]]] = {
+        "attention": ("SDPA", sdpa),
+        "linear": ("cuBLAS+act", lambda x, weight, bias, activation: acts[activation](F.linear(x, weight, bias))),
+        "fp8_linear": ("_scaled_mm", scaled_mm),
+    }
+    if kernel in native:
+        return native[kernel]
     try:
         from liger_kernel.transformers import functional as lg
     except ImportError:
@@ -145,7 +167,7 @@ def liger_call(kernel: str) -> Callable[..., Any] | None:
     def rope(q, k, cos, sin):
         return lg.liger_rope(q, k, cos[None] if cos.dim() == 2 else cos, sin[None] if sin.dim() == 2 else sin)
 
-    table: dict[str, Callable[..., Any]] = {
+    liger: dict[str, Callable[..., Any]] = {
         "rms_norm": lambda x, weight, eps: lg.liger_rms_norm(x, weight, eps, in_place=False),
         "add_rms_norm": lambda x, residual, weight, eps: lg.liger_fused_add_rms_norm(
             x, residual, weight, eps, in_place=False),
@@ -160,7 +182,7 @@ def liger_call(kernel: str) -> Callable[..., Any] | None:
             lg.liger_fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
                                                 reduction=reduction),
     }
-    return table.get(kernel)
+    return ("Liger", liger[kernel]) if kernel in liger else None
 
 
 def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, mode: str,
@@ -183,9 +205,10 @@ def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, 
         impls["eager"] = eager
     if "compile" in compare_with:
         impls["compile"] = torch.compile(eager, dynamic=False)
-    liger = liger_call(spec.name) if "liger" in compare_with else None
-    if liger is not None:
-        impls["liger"] = lambda **kw: liger(**spec.validate(spec.bind((), kw), backend.dtypes))
+    library = library_call(spec.name) if "library" in compare_with and device.type == "cuda" else None
+    if library is not None:
+        result.library = library[0]
+        impls["library"] = lambda **kw: library[1](**spec.validate(spec.bind((), kw), backend.dtypes))
     for name, call in impls.items():
         result.ms[name] = time_ms(_runner(call, spec, args, mode), device)
     values = spec.validate(spec.bind((), args), backend.dtypes)
@@ -210,16 +233,17 @@ def markdown(results: list[Measurement], env: dict[str, str], ceilings: Ceilings
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".",
         f"Ceilings measured in this run: copy {ceilings.copy_gbps:.0f} GB/s, "
         f"matmul {ceilings.matmul_tflops:.0f} TFLOP/s.", "",
-        "| kernel | shape case | dtype | mode | kpt ms | eager ms | compile ms | Liger ms | × eager | × compile "
-        "| × Liger | GB/s | TFLOP/s | of ceiling |",
+        "| kernel | shape case | dtype | mode | kpt ms | eager ms | compile ms | library ms | × eager | × compile "
+        "| × library | GB/s | TFLOP/s | of ceiling |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.wrong:
             lines.append(f"| {r.kernel} | {r.case} | {r.dtype} | {r.mode} | WRONG: {r.wrong} |||||||| ")
             continue
-        ms = [f"{r.ms[k]:.4f}" if k in r.ms else "–" for k in ("backend", "eager", "compile", "liger")]
-        ratios = [f"{r.speedup(k):.2f}" if k in r.ms else "–" for k in ("eager", "compile", "liger")]
+        ms = [f"{r.ms[k]:.4f}" if k in r.ms else "–" for k in ("backend", "eager", "compile")]
+        ms.append(f"{r.ms['library']:.4f} ({r.library})" if "library" in r.ms else "–")
+        ratios = [f"{r.speedup(k):.2f}" if k in r.ms else "–" for k in ("eager", "compile", "library")]
         lines.append(f"| {r.kernel} | {r.case} | {r.dtype} | {r.mode} | {' | '.join(ms)} | {' | '.join(ratios)} "
                      f"| {r.gbps:.0f} | {r.tflops:.1f} | {r.ceiling_fraction:.0%} ({r.bound}) |")
     return "\n".join(lines) + "\n"
@@ -237,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     device = backend.device()
     dtype = getattr(torch, opts.dtype)
     ceilings = Ceilings.measure(device)
-    compare_with = ("eager", "liger") if opts.no_compile else ("eager", "compile", "liger")
+    compare_with = ("eager", "library") if opts.no_compile else ("eager", "compile", "library")
     results = []
     for name in opts.kernels.split(","):
         spec = SPECS[name]
