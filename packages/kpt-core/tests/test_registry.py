@@ -115,3 +115,10 @@ def test_unsupported_combination_raises_not_supported() -> None:
 
     with pytest.raises(kpt.KernelNotSupportedError, match="backend 'fixture-no-weight'"):
         NoWeight().rms_norm(torch.randn(2, 4), torch.ones(4))
+
+
+def test_first_call_of_a_backend_can_be_inside_fullgraph_compile(registry: kpt.Registry) -> None:
+    be = registry.get("fixture-fast")  # get() registers the ops: the compiled call only traces them
+    x, w = torch.randn(4, 8), torch.randn(8)
+    compiled = torch.compile(lambda x, w: be.rms_norm(x, w) + 1, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, w), be.rms_norm(x, w) + 1)

@@ -102,13 +102,18 @@ class Backend:
 
     # -- calls -----------------------------------------------------------------------------
 
-    @functools.cached_property
-    def _ops(self) -> dict[str, Any]:
-        kernels = self.kernels()
-        missing = missing_kernels(kernels)
-        if missing:
-            raise BackendError(f"backend {self.name!r} is missing kernels: {', '.join(missing)}")
-        return {name: register(self.op_namespace, spec, kernels[name]) for name, spec in SPECS.items()}
+    def bind(self) -> dict[str, Any]:
+        """Register this backend's custom ops (once); `kpt.get_backend` does it before returning,
+        so that a call inside ``torch.compile`` only traces the op."""
+        ops = self.__dict__.get("_ops")
+        if ops is None:
+            kernels = self.kernels()
+            missing = missing_kernels(kernels)
+            if missing:
+                raise BackendError(f"backend {self.name!r} is missing kernels: {', '.join(missing)}")
+            ops = {name: register(self.op_namespace, spec, kernels[name]) for name, spec in SPECS.items()}
+            self.__dict__["_ops"] = ops
+        return ops
 
     def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
         """Validate a call of ``kernel`` against its spec and run it on this backend."""
@@ -122,7 +127,7 @@ class Backend:
             values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
         elif spec.needs_grad_arg:
             values.append(_needs_grad(spec, bound))
-        out = as_tuple(self._ops[kernel](*values))[: len(spec.outputs)]
+        out = as_tuple(self.bind()[kernel](*values))[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
 
 

@@ -115,7 +115,7 @@ class Registry:
         name = name or os.environ.get("KPT_BACKEND") or None
         if name is None:
             usable = [i for i in self.list() if i.available and not i.simulator and i.name in self.backends]
-            return self.backends[usable[0].name] if usable else self.backends["reference"]
+            return self._bound(self.backends[usable[0].name] if usable else self.backends["reference"])
         if name not in self.infos:
             raise BackendError(f"unknown kpt backend {name!r}; registered: {', '.join(sorted(self.infos))}")
         info = self.infos[name]
@@ -124,7 +124,12 @@ class Registry:
                                + (f" ({info.error})" if info.error else ""))
         if not info.available:
             raise BackendError(f"kpt backend {name!r} is not available here: {info.reason}")
-        return self.backends[name]
+        return self._bound(self.backends[name])
+
+    @staticmethod
+    def _bound(backend: Backend) -> Backend:
+        backend.bind()
+        return backend
 
 
 _registry: Registry | None = None

@@ -68,7 +68,8 @@ def _normalize(h: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor,
     y = hr * rstd[:, None]
     if weight is not None:
         y = y * weight.to(ct)
-    return y.to(h.dtype).reshape(h.shape), rstd
+    # contiguous even for a transposed input: elementwise ops keep the input's layout
+    return y.to(h.dtype).reshape(h.shape).contiguous(), rstd
 
 
 def _normalize_backward(
@@ -93,7 +94,7 @@ def rms_norm_backward(
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(dx, dweight)``; ``dweight`` is empty when ``weight`` is None."""
     dx, dweight = _normalize_backward(x, weight, rstd, dy)
-    return dx.to(x.dtype).reshape(x.shape), dweight
+    return dx.to(x.dtype).reshape(x.shape).contiguous(), dweight
 
 
 def add_rms_norm_forward(
@@ -114,7 +115,7 @@ def add_rms_norm_backward(
     dx, dweight = _normalize_backward(h, weight, rstd, dy if dy is not None else torch.zeros_like(h))
     if dh is not None:
         dx = dx + rows(dh).to(dx.dtype)
-    return dx.to(x.dtype).reshape(x.shape), dweight
+    return dx.to(x.dtype).reshape(x.shape).contiguous(), dweight
 
 
 def _rms_norm_flops(a: Args) -> float:
