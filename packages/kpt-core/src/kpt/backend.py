@@ -20,7 +20,7 @@ import torch
 
 from .errors import BackendError, KernelNotSupportedError
 from .kernels import SPECS
-from .ops import Kernel, as_tuple, register
+from .ops import Kernel, as_tuple, register_all
 from .spec import FLOAT_DTYPES, KernelSpec
 from .tolerance import Tolerance
 
@@ -111,7 +111,7 @@ class Backend:
             missing = missing_kernels(kernels)
             if missing:
                 raise BackendError(f"backend {self.name!r} is missing kernels: {', '.join(missing)}")
-            ops = {name: register(self.op_namespace, spec, kernels[name]) for name, spec in SPECS.items()}
+            ops = register_all(self.op_namespace, kernels)
             self.__dict__["_ops"] = ops
         return ops
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from .kernels import SPECS
 from .spec import KernelSpec
 
 _SCHEMA_TYPES: dict[Any, str] = {
@@ -74,20 +75,38 @@ def _tuple_body(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
     return body
 
 
-def register(namespace: str, spec: KernelSpec, kernel: Kernel) -> Any:
-    """Register ``kernel`` as ``namespace::spec.name`` (with autograd if differentiable)."""
+_OPS: dict[str, dict[str, Any]] = {}
+_BODIES: dict[str, Mapping[str, Kernel]] = {}
+
+
+def register_all(namespace: str, kernels: Mapping[str, Kernel]) -> dict[str, Any]:
+    """The ops of every contract kernel in ``namespace``, running ``kernels``.
+
+    An op name can be registered once per process, so a second backend object with the same
+    namespace (another instance of the same class) reuses the ops and its bodies replace the
+    previous ones.
+    """
+    _BODIES[namespace] = kernels
+    if namespace not in _OPS:
+        _OPS[namespace] = {name: _register(namespace, spec) for name, spec in SPECS.items()}
+    return _OPS[namespace]
+
+
+def _register(namespace: str, spec: KernelSpec) -> Any:
+    """Register ``namespace::spec.name`` (with autograd if differentiable)."""
     n_out = len(spec.outputs) + len(spec.saved)
     fwd = torch.library.custom_op(
-        f"{namespace}::{spec.name}", _tuple_body(kernel.forward, n_out),
+        f"{namespace}::{spec.name}", _tuple_body(lambda *a: _BODIES[namespace][spec.name].forward(*a), n_out),
         mutates_args=(), schema=forward_schema(spec),
     )
     fwd.register_fake(_tuple_body(spec.forward, n_out))
     if not spec.differentiable:
         return fwd
-    assert spec.backward is not None and kernel.backward is not None
+    assert spec.backward is not None
     n_grad = len(spec.differentiable)
     bwd = torch.library.custom_op(
-        f"{namespace}::{spec.name}_backward", _tuple_body(kernel.backward, n_grad),
+        f"{namespace}::{spec.name}_backward",
+        _tuple_body(lambda *a: _BODIES[namespace][spec.name].backward(*a), n_grad),
         mutates_args=(), schema=backward_schema(spec),
     )
     bwd.register_fake(_tuple_body(spec.backward, n_grad))
