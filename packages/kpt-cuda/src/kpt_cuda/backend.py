@@ -1,0 +1,83 @@
+"""`CudaBackend`: the portable Triton kernels of kpt-triton, tuned per NVIDIA architecture.
+
+Only wiring: the kernel bodies come from ``kpt_triton``, replaced by a vendor-native body
+(``kpt_cuda.moe``) where CuPy can run it, and each body gets the tuning of the GPU it runs on,
+looked up at its first call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+import kpt
+from kpt_triton import (
+    activations,
+    attention,
+    cross_entropy,
+    fp8,
+    layer_norm,
+    linear,
+    moe,
+    rms_norm,
+    rope,
+    softmax,
+)
+
+from . import device, tuning
+from . import moe as native_moe
+
+KERNEL_MODULES = (
+    rms_norm, layer_norm, softmax, activations, rope, attention, linear, cross_entropy, moe, fp8,
+)
+"""The portable kernel bodies."""
+
+NATIVE_MODULES = (native_moe,)
+"""Vendor-native bodies (CUDA C through CuPy) that replace the portable ones of the same kernel
+where CuPy and a GPU are present; elsewhere the Triton bodies run."""
+
+
+class _Tuned:
+    """A kernel body called with the tuning keywords of this machine's architecture."""
+
+    def __init__(self, body: Callable[..., Any]) -> None:
+        self.body = body
+        functools.update_wrapper(self, body)
+
+    @functools.cached_property
+    def _params(self) -> dict[str, Any]:
+        return tuning.params(device.arch(), self.body.__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.body(*args, **self._params)
+
+
+class CudaBackend(kpt.Backend):
+    name = "cuda"
+    vendor = "NVIDIA"
+    device_type = "cuda"
+    priority = 100
+
+    def is_available(self) -> tuple[bool, str]:
+        return device.status()
+
+    def kernels(self) -> dict[str, kpt.Kernel]:
+        native = () if device.interpreted() else tuple(m for m in NATIVE_MODULES if m.available())
+        return {
+            name: kpt.Kernel(_Tuned(k.forward), _Tuned(k.backward) if k.backward is not None else None)
+            for name, k in kpt.kernels_from(*KERNEL_MODULES, *native).items()
+        }
+
+    def device(self) -> torch.device:
+        return torch.device("cpu") if device.interpreted() else torch.device("cuda")
+
+    @property
+    def conformance_profile(self) -> str:
+        return "cuda-interpret" if device.interpreted() else "cuda"
+
+    def environment(self) -> dict[str, str]:
+        return {"torch": torch.__version__, "triton": triton.__version__, **device.facts()}

@@ -1,0 +1,71 @@
+"""Which NVIDIA GPU is here, if any, and whether the CUDA backend can drive it.
+
+Every function reads the machine when called (nothing at import), so that importing the
+plugin never initializes CUDA. ``TRITON_INTERPRET=1`` stands for a device: the Triton
+interpreter runs the kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MIN_CAPABILITY = (8, 0)
+"""The oldest architecture with tuning here (Ampere, sm80)."""
+
+
+def interpreted() -> bool:
+    """True when ``TRITON_INTERPRET=1``: kernels run in the Triton interpreter on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def status() -> tuple[bool, str]:
+    """``(True, "")`` when this backend can run here, else ``(False, why not)``."""
+    if interpreted():
+        return True, ""
+    if torch.version.hip is not None:
+        return False, f"ROCm build of torch (HIP {torch.version.hip}): this backend drives CUDA devices"
+    if torch.version.cuda is None:
+        return False, "torch was built without CUDA"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    cc = capability()
+    if cc < MIN_CAPABILITY:
+        return False, (f"compute capability {cc[0]}.{cc[1]} of {torch.cuda.get_device_name()} is below "
+                       f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}")
+    return True, ""
+
+
+def capability() -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability()
+    return major, minor
+
+
+def arch() -> str:
+    """The tuning table to use: "sm90" (Hopper and newer), "sm80" (Ampere, Ada), or
+    "interpret" (no table: the launchers' portable defaults)."""
+    if interpreted() or not status()[0]:
+        return "interpret"
+    return "sm90" if capability() >= (9, 0) else "sm80"
+
+
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def facts() -> dict[str, str]:
+    """What benchmark and conformance reports record about the device."""
+    if interpreted():
+        return {"device": "Triton interpreter on CPU tensors (TRITON_INTERPRET=1)"}
+    available, why = status()
+    if not available:
+        return {"device": f"none ({why})"}
+    major, minor = capability()
+    return {
+        "device": torch.cuda.get_device_name(),
+        "capability": f"{major}.{minor}",
+        "arch": arch(),
+        "sm_count": str(sm_count()),
+        "cuda": str(torch.version.cuda),
+    }

@@ -1,0 +1,71 @@
+"""Tuning tables per NVIDIA architecture: keyword arguments bound into the kpt_triton launchers.
+
+A table maps a launcher name (``rms_norm_fwd``...) to the values of its keyword-only tuning
+parameters; a launcher that is absent, or a parameter that is not listed, keeps its portable
+default. The reasoning behind the values (not yet swept on hardware):
+
+* memory-bound row kernels want one whole row per program up to 16K columns (read once) and
+  about 16 elements per thread, i.e. 16-byte vector loads of 16-bit data (``elems_per_warp``
+  512); small rows are packed several per program so that a program still moves ~8 KB;
+* persistent backward grids: as many programs per SM as stay resident together (a 4096-wide
+  row tile of 8 warps holds ~64 float32 registers per thread: 4 programs fill the register
+  file), so that no second wave straggles; the partial ``dweight`` buffer stays small;
+* cross-entropy reads 128K-wide rows: bigger chunks halve the per-chunk reductions;
+* ``fp8_linear`` uses ``torch._scaled_mm`` on Hopper (float8 tensor cores; Ampere has none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Table = dict[str, dict[str, Any]]
+
+_ROW_SM90 = {"tile_elems": 4096, "elems_per_warp": 512}
+_ROW_BWD_SM90 = {**_ROW_SM90, "programs_per_sm": 4}
+_POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
+
+SM90: Table = {
+    "rms_norm_fwd": _ROW_SM90,
+    "rms_norm_bwd": _ROW_BWD_SM90,
+    "add_rms_norm_fwd": _ROW_SM90,
+    "add_rms_norm_bwd": _ROW_BWD_SM90,
+    "layer_norm_fwd": _ROW_SM90,
+    "layer_norm_bwd": _ROW_BWD_SM90,
+    "softmax_fwd": _ROW_SM90,
+    "softmax_bwd": _ROW_SM90,
+    **{f"{k}_{d}": _POINTWISE_SM90 for k in ("gelu", "silu", "swiglu", "geglu") for d in ("fwd", "bwd")},
+    "rope_fwd": {"tile_elems": 8192},
+    "rope_bwd": {"tile_elems": 8192},
+    "cross_entropy_fwd": {"block_v": 16384, "elems_per_warp": 1024},
+    "cross_entropy_bwd": {"block_v": 16384, "elems_per_warp": 1024},
+    "linear_cross_entropy_fwd": {"block_v": 16384, "elems_per_warp": 1024},
+    "linear_cross_entropy_bwd": {"block_v": 16384, "elems_per_warp": 1024},
+    "quantize_fp8_fwd": {"tile_elems": 4096, "block": 8192, "programs_per_sm": 4},
+    "dequantize_fp8_fwd": {"block": 8192},
+    "fp8_linear_fwd": {"scaled_mm": True},
+}
+
+_ROW_SM80 = {"tile_elems": 4096, "elems_per_warp": 512}
+_ROW_BWD_SM80 = {**_ROW_SM80, "programs_per_sm": 4}
+
+SM80: Table = {
+    "rms_norm_fwd": _ROW_SM80,
+    "rms_norm_bwd": _ROW_BWD_SM80,
+    "add_rms_norm_fwd": _ROW_SM80,
+    "add_rms_norm_bwd": _ROW_BWD_SM80,
+    "layer_norm_fwd": _ROW_SM80,
+    "layer_norm_bwd": _ROW_BWD_SM80,
+    "softmax_fwd": _ROW_SM80,
+    "softmax_bwd": _ROW_SM80,
+    "cross_entropy_fwd": {"block_v": 8192, "elems_per_warp": 512},
+    "cross_entropy_bwd": {"block_v": 8192, "elems_per_warp": 512},
+    "fp8_linear_fwd": {"scaled_mm": False},
+}
+
+TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "interpret": {}}
+"""By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
+
+
+def params(arch: str, launcher: str) -> dict[str, Any]:
+    """The tuning keywords of ``launcher`` on ``arch``."""
+    return TABLES[arch].get(launcher, {})

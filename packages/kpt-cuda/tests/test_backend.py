@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import kpt
+import kpt_cuda
+from kpt_cuda import backend, device, plugin, tuning
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_discovered_through_the_entry_point(interpreted):
+    registry = kpt.reload_backends(strict=True)
+    info = {i.name: i for i in registry.list()}["cuda"]
+    assert (info.vendor, info.device_type, info.priority, info.plugin) == ("NVIDIA", "cuda", 100, "cuda")
+    assert info.available and info.reason == ""
+    assert isinstance(kpt.get_backend("cuda"), kpt_cuda.CudaBackend)
+
+
+def test_plugin_returns_one_backend():
+    (be,) = plugin.kpt_backends()
+    assert isinstance(be, kpt_cuda.CudaBackend) and be.name == "cuda"
+
+
+def test_every_contract_kernel_is_wired():
+    kernels = kpt_cuda.CudaBackend().kernels()
+    assert kpt.missing_kernels(kernels) == []
+    assert set(kernels) == set(kpt.SPECS)
+    for name, k in kernels.items():
+        assert k.forward.body.__name__ == f"{name}_fwd"
+        assert k.forward.body.__module__.startswith(("kpt_triton.", "kpt_cuda."))
+
+
+def test_interpreter_mode(interpreted):
+    be = kpt_cuda.CudaBackend()
+    assert be.is_available() == (True, "")
+    assert be.device() == torch.device("cpu")
+    assert be.conformance_profile == "cuda-interpret"
+    assert "interpreter" in be.environment()["device"]
+    assert device.arch() == "interpret"
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("hip", "ROCm build of torch"),
+    ("no_cuda_build", "torch was built without CUDA"),
+    ("no_device", "no CUDA device"),
+    ("old_gpu", "compute capability 7.5"),
+])
+def test_unavailable_reasons(monkeypatch, case, reason):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.version, "hip", "6.2" if case == "hip" else None)
+    monkeypatch.setattr(torch.version, "cuda", None if case == "no_cuda_build" else "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: case == "old_gpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    available, why = kpt_cuda.CudaBackend().is_available()
+    assert not available and reason in why
+    assert device.arch() == "interpret"
+
+
+@pytest.mark.parametrize("cc, arch", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm90"),
+                                      ((10, 0), "sm90")])
+def test_arch_tags(monkeypatch, cc, arch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
+    assert device.arch() == arch
+
+
+def test_tuning_tables_name_real_parameters():
+    launchers = {f.__name__: f for k in kpt_cuda.CudaBackend().kernels().values()
+                 for f in (k.forward.body, k.backward.body if k.backward else None) if f is not None}
+    assert {"sm80", "sm90"} <= set(tuning.TABLES)
+    for arch, table in tuning.TABLES.items():
+        for launcher, params in table.items():
+            assert launcher in launchers, f"{arch}: {launcher} is not a kernel body"
+            keyword_only = {n for n, p in inspect.signature(launchers[launcher]).parameters.items()
+                            if p.kind is p.KEYWORD_ONLY}
+            unknown = set(params) - keyword_only
+            assert not unknown, f"{arch}: {launcher} has no tuning parameter {unknown}"
+
+
+def test_tuning_is_bound_at_the_first_call(monkeypatch):
+    seen = {}
+
+    def body_fwd(x, *, block=1):
+        seen["block"] = block
+        return (x,)
+
+    monkeypatch.setattr(device, "arch", lambda: "sm90")
+    monkeypatch.setitem(tuning.TABLES, "sm90", {"body_fwd": {"block": 7}})
+    backend._Tuned(body_fwd)(torch.zeros(1))
+    assert seen == {"block": 7}
+
+
+def test_calls_run_through_autograd(interpreted):
+    be = kpt.reload_backends(strict=True).get("cuda")
+    x = torch.randn(3, 40, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
+    w = torch.ones(40, dtype=torch.bfloat16, requires_grad=True)
+    y = be.rms_norm(x, w)
+    y.float().square().sum().backward()
+    ref = kpt.SPECS["rms_norm"].forward(x.detach().double(), w.detach().double(), 1e-6)[0]
+    assert torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2)
+    assert x.grad is not None and w.grad is not None and x.grad.isfinite().all()
+
+
+def test_native_bodies_only_where_cupy_runs(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(backend.native_moe, "available", lambda: False)
+    assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_triton.moe"
+    monkeypatch.setattr(backend.native_moe, "available", lambda: True)
+    assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_cuda.moe"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_triton.moe"

@@ -1,0 +1,437 @@
+"""Flash attention: tiled, online softmax, the [Sq, Skv] score matrix never held in memory.
+
+For one (batch, query head) with kv head ``h // (Hq / Hkv)`` (grouped-query):
+
+    s   = scale · q kᵀ,  masked to -inf where key j is hidden from query i
+    lse = log Σ_j exp(s_ij)                 (natural log, float32, [B, Hq, Sq])
+    o   = exp(s − lse) v
+
+Causal masking is aligned bottom-right: query i sees key j iff ``j <= i + Skv − Sq``. A query
+that sees no key (``i < Sq − Skv``, or ``Skv == 0``) gets ``o = 0`` and ``lse = -inf``, and its
+gradients are zero; nothing along the way is NaN.
+
+Forward, per block of queries, streaming over blocks of keys, in base 2 with ``t = q kᵀ`` and
+``c = scale · log2 e`` (one multiply-add per score)::
+
+    m' = max(m, max_j c·t_ij);  p = 2^(c·t − m');  l = l·2^(m − m') + Σ_j p;  acc = acc·2^(m − m') + p v
+    o = acc / l;  lse = (m + log2 l) · ln 2
+
+Backward (FlashAttention-2), with p recomputed from the saved lse::
+
+    p = 2^(c·t − lse·log2 e);  δ_i = Σ_d do_id · o_id;  dp = do vᵀ;  ds = p ∘ (dp − δ)
+    dv = pᵀ do;  dk = scale · dsᵀ q;  dq = scale · ds k
+
+The recomputed p differs from the forward's by the rounding of the scores (relative ``ε·|s|``),
+so with scores in the hundreds float32 gradients carry errors of about 1e-5 relative.
+
+One kernel owns a block of keys and accumulates dk, dv over every query head of its group (no
+atomics); a second kernel owns a block of queries and accumulates dq.
+
+Head dims that are not powers of two are padded in registers and masked. Under
+``TRITON_INTERPRET=1`` the dot operands are promoted to float32 (the interpreter has no 16-bit
+dot), so the numerics run on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .linear import DOT_FP32, dot, dot_precision
+
+_LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # masks only where a tile can cross the tensor's edge, so full tiles load unpredicated
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    if CHECK_COLS:
+        return tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _load_rows(base, rows, n_rows, stride_r, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``[len(rows), BLOCK_D]`` rows of one head (zeros past ``n_rows`` and past the head dim)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return _load_tile(base + rows[:, None] * stride_r + offs_d[None, :] * stride_d,
+                      rows, n_rows, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+
+
+@triton.jit
+def _store_rows(base, rows, n_rows, stride_r, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(base + rows[:, None] * stride_r + offs_d[None, :], value.to(base.dtype.element_ty),
+             mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _causal_range(start_m, shift, Skv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For queries ``start_m + [0, BLOCK_M)``: the end of the key blocks every one of them sees
+    whole (no mask needed), and the end of the keys the last of them sees."""
+    full = tl.minimum(tl.maximum(start_m + shift + 1, 0), Skv) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), Skv)
+    return full, hi
+
+
+@triton.jit
+def _attn_fwd_blocks(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, lo, hi, qk_scale, shift, Skv,
+    MASK: tl.constexpr,  # apply the key-range and causal masks (diagonal and tail blocks only)
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_tile(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
+                        offs_d, HEAD_DIM, offs_n, Skv, HEAD_DIM != BLOCK_D, MASK)
+        qk = dot(q, kt, None, DOT_FP32, PRECISION)
+        if MASK:
+            visible = offs_n[None, :] < Skv
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+            # masked after scaling, so that scale = 0 never meets -inf
+            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # a row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASK:
+            p = tl.exp2(s - m_sub[:, None])
+        else:
+            p = tl.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       offs_n, Skv, offs_d, HEAD_DIM, MASK, HEAD_DIM != BLOCK_D)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, OUT, LSE,  # OUT contiguous [B, Hq, Sq, D], LSE contiguous [B, Hq, Sq]
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    Hq, GROUP, Sq, Skv,  # GROUP = Hq // Hkv query heads share one kv head
+    qk_scale,  # scale · log2(e): the softmax runs in base 2
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, Sq, stride_qm, stride_qd, HEAD_DIM, BLOCK_D)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    shift = Skv - Sq
+    if CAUSAL:
+        full, hi = _causal_range(start_m, shift, Skv, BLOCK_M, BLOCK_N)
+    else:
+        full = Skv // BLOCK_N * BLOCK_N
+        hi = Skv
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                     stride_vd, offs_m, 0, full, qk_scale, shift, Skv,
+                                     False, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                     stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
+                                     True, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
+    tl.store(LSE + bh * Sq + offs_m, lse, mask=offs_m < Sq)
+    _store_rows(OUT + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, acc / l_safe[:, None], HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(
+    OUT, DOUT, DELTA,  # OUT contiguous [B, Hq, Sq, D]; DELTA contiguous [B, Hq, Sq]
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    Hq, Sq,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o = _load_rows(OUT + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, 1, HEAD_DIM, BLOCK_D)
+    do = _load_rows(DOUT + bh // Hq * stride_dob + bh % Hq * stride_doh, offs_m, Sq, stride_dom, stride_dod,
+                    HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh * Sq + offs_m, delta, mask=offs_m < Sq)
+
+
+@triton.jit
+def _attn_bwd_dkdv_blocks(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+    stride_qm, stride_qd, stride_dom, stride_dod,
+    offs_n, lo, hi, qk_scale, shift, Sq,
+    MASK: tl.constexpr,  # apply the causal mask (query blocks on the diagonal only)
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Queries past Sq load as zeros (q = do = 0, δ = 0) and keys past Skv are never stored, so
+    # neither needs a mask: their terms vanish or land in rows that are dropped.
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base, offs_m, Sq, stride_qm, stride_qd, HEAD_DIM, BLOCK_D)
+        do = _load_rows(do_base, offs_m, Sq, stride_dom, stride_dod, HEAD_DIM, BLOCK_D)
+        lse = tl.load(lse_base + offs_m, mask=offs_m < Sq, other=0.0)
+        # a query that saw no key has lse = -inf; +inf makes its p exactly 0
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+        delta = tl.load(delta_base + offs_m, mask=offs_m < Sq, other=0.0)
+        pt = tl.exp2(dot(k, tl.trans(q), None, DOT_FP32, PRECISION) * qk_scale - lse[None, :])
+        if MASK:
+            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + shift, pt, 0.0)
+        dv = dot(pt.to(do.dtype), do, dv, DOT_FP32, PRECISION)
+        dpt = dot(v, tl.trans(do), None, DOT_FP32, PRECISION)
+        dk = dot((pt * (dpt - delta[None, :])).to(q.dtype), q, dk, DOT_FP32, PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DK, DV,  # DK, DV contiguous [B, Hkv, Skv, D]
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    Hkv, GROUP, Sq, Skv,
+    scale, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + b * stride_kb + hk * stride_kh, offs_n, Skv, stride_kn, stride_kd, HEAD_DIM, BLOCK_D)
+    v = _load_rows(V + b * stride_vb + hk * stride_vh, offs_n, Skv, stride_vn, stride_vd, HEAD_DIM, BLOCK_D)
+
+    shift = Skv - Sq
+    if CAUSAL:
+        # from the block of the first query that sees this block's first key, masked up to the
+        # first query that sees all of its keys
+        lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
+        full = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1, Sq + BLOCK_M - 1)
+        full = tl.maximum(full // BLOCK_M * BLOCK_M, lo)
+    else:
+        lo = 0
+        full = 0
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        stats = (b * Hkv * GROUP + h) * Sq
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DOUT + b * stride_dob + h * stride_doh
+        dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, LSE + stats, DELTA + stats,
+                                       stride_qm, stride_qd, stride_dom, stride_dod,
+                                       offs_n, lo, full, qk_scale, shift, Sq,
+                                       True, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_FP32, PRECISION)
+        dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, LSE + stats, DELTA + stats,
+                                       stride_qm, stride_qd, stride_dom, stride_dod,
+                                       offs_n, full, Sq, qk_scale, shift, Sq,
+                                       False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_FP32, PRECISION)
+    _store_rows(DK + bhk * Skv * HEAD_DIM, offs_n, Skv, HEAD_DIM, dk * scale, HEAD_DIM, BLOCK_D)
+    _store_rows(DV + bhk * Skv * HEAD_DIM, offs_n, Skv, HEAD_DIM, dv, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _attn_bwd_dq_blocks(
+    dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, lo, hi, qk_scale, shift, Skv,
+    MASK: tl.constexpr,  # apply the causal mask (diagonal key blocks only)
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # keys past Skv load as zeros, so their ds multiplies a zero row of k: no tail mask needed
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, offs_n, Skv, stride_kn, stride_kd, HEAD_DIM, BLOCK_D)
+        vt = _load_tile(v_base + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn,
+                        offs_d, HEAD_DIM, offs_n, Skv, HEAD_DIM != BLOCK_D, True)
+        p = tl.exp2(dot(q, tl.trans(k), None, DOT_FP32, PRECISION) * qk_scale - lse[:, None])
+        if MASK:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None] + shift, p, 0.0)
+        dp = dot(do, vt, None, DOT_FP32, PRECISION)
+        dq = dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, DOT_FP32, PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DQ,  # DQ contiguous [B, Hq, Sq, D]
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    Hq, GROUP, Sq, Skv,
+    scale, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, Sq, stride_qm, stride_qd, HEAD_DIM, BLOCK_D)
+    do = _load_rows(DOUT + b * stride_dob + h * stride_doh, offs_m, Sq, stride_dom, stride_dod,
+                    HEAD_DIM, BLOCK_D)
+    lse = tl.load(LSE + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    delta = tl.load(DELTA + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    shift = Skv - Sq
+    if CAUSAL:
+        full, hi = _causal_range(start_m, shift, Skv, BLOCK_M, BLOCK_N)
+    else:
+        full = Skv
+        hi = Skv
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _attn_bwd_dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                             stride_vd, offs_m, 0, full, qk_scale, shift, Skv,
+                             False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+    dq = _attn_bwd_dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                             stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
+                             True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+    _store_rows(DQ + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, dq * scale, HEAD_DIM, BLOCK_D)
+
+
+class Tiles(NamedTuple):
+    """How one attention launch cuts its work: ``block_m`` queries and ``block_n`` keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+TilesByHeadDim = Mapping[int, Tiles]
+"""Tiles for 16-bit inputs by padded head dim (16, 32, 64, 128, 256); float32 keeps the portable ones."""
+
+
+def _portable_tiles(block_d: int, dtype: torch.dtype, backward: bool) -> Tiles:
+    """Tiles that fit any recent GPU's shared memory and, compiled for sm_90, keep the
+    accumulators in registers (no spills up to head dim 128)."""
+    wide = dtype == torch.float32
+    if not backward:
+        if block_d <= 128:
+            return Tiles(32 if wide else 64, 64, 8, 2)
+        return Tiles(32, 32 if wide else 64, 8, 2)
+    if block_d <= 64:
+        return Tiles(32, 64, 8 if wide else 4, 2)
+    if block_d <= 128:
+        return Tiles(16, 32, 4, 2)
+    return Tiles(16, 16, 4, 2)
+
+
+def _tiles(
+    head_dim: int, dtype: torch.dtype, tiles: TilesByHeadDim | None, backward: bool
+) -> tuple[int, Tiles]:
+    """The padded head dim and the tiles of one launch."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if tiles is not None and dtype != torch.float32 and block_d in tiles:
+        return block_d, tiles[block_d]
+    return block_d, _portable_tiles(block_d, dtype, backward)
+
+
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    *, tiles: TilesByHeadDim | None = None, fp32_precision: str = "ieee",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(o, lse)``: ``o`` like q (contiguous), ``lse`` float32 ``[B, Hq, Sq]`` (natural log).
+
+    ``tiles`` overrides the portable tiles per head dim; ``fp32_precision`` is the dot precision
+    for float32 inputs ("ieee", or "tf32" where a backend accepts its error).
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    o = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    block_d, t = _tiles(D, q.dtype, tiles, backward=False)
+    _attn_fwd_kernel[(triton.cdiv(Sq, t.block_m), B * Hq)](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(),
+        Hq, Hq // Hkv, Sq, Skv, scale * _LOG2E,
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d,
+        DOT_FP32=DOT_FP32, PRECISION=dot_precision(q.dtype, fp32_precision),
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return o, lse
+
+
+def attention_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor | None,
+    *, tiles: TilesByHeadDim | None = None, fp32_precision: str = "ieee",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(dq, dk, dv)`` like q, k, v; zeros when ``do`` is None.
+
+    ``tiles`` (per head dim, as for `attention_fwd`) are those of all three backward kernels:
+    ``block_m`` queries and ``block_n`` keys.
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    new = torch.zeros if do is None else torch.empty
+    dq = new((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    dk = new((B, Hkv, Skv, D), dtype=k.dtype, device=k.device)
+    dv = new((B, Hkv, Skv, D), dtype=v.dtype, device=v.device)
+    if do is None:
+        return dq, dk, dv
+    block_d, t = _tiles(D, q.dtype, tiles, backward=True)
+    common = {"CAUSAL": causal, "HEAD_DIM": D, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_D": block_d,
+              "DOT_FP32": DOT_FP32, "PRECISION": dot_precision(q.dtype, fp32_precision),
+              "num_warps": t.num_warps, "num_stages": t.num_stages}
+    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if dq.numel() > 0:
+        _attn_bwd_delta_kernel[(triton.cdiv(Sq, t.block_m), B * Hq)](
+            o, do, delta, *do.stride(), Hq, Sq,
+            HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_D=block_d, num_warps=t.num_warps,
+        )
+        _attn_bwd_dq_kernel[(triton.cdiv(Sq, t.block_m), B * Hq)](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            Hq, Hq // Hkv, Sq, Skv, scale, scale * _LOG2E, **common,
+        )
+    if dk.numel() > 0:
+        _attn_bwd_dkdv_kernel[(triton.cdiv(Skv, t.block_n), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            Hkv, Hq // Hkv, Sq, Skv, scale, scale * _LOG2E, **common,
+        )
+    return dq, dk, dv

@@ -1,0 +1,237 @@
+"""Cross-entropy (``cross_entropy``) and cross-entropy fused with its linear layer
+(``linear_cross_entropy``).
+
+For one row of logits z ∈ ℝ^V with target t (rows with t = ignore_index give 0)::
+
+    lse  = log Σ exp(z)                                   (online over chunks of V)
+    loss = (1 − ε) · (lse − z_t) + ε · (lse − mean(z))     (ε = label_smoothing)
+    dz   = g · (exp(z − lse) − (1 − ε) · onehot(t) − ε / V)
+
+where g is the gradient reaching the row's loss (g/n_kept for "mean"). One kernel does both
+halves: pass 1 reads the row once, keeping a running maximum m and a running sum rescaled
+whenever m grows (``s ← s · exp(m − m') + Σ exp(z − m')``), so no float32 ``[N, V]`` copy is
+ever made; pass 2 (the backward, or the fused gradient) reads the row again and writes dz.
+
+``linear_cross_entropy`` works through chunks of rows of z = hidden · weightᵀ (+ bias, added
+in float32 inside the kernel). Each chunk's float32 logits come from one GEMM into a reused
+buffer and the kernel writes dz into a second one; for "mean"/"sum" with gradients wanted the
+forward then runs the two gradient GEMMs on that chunk (dhidden = dz · weight, dweight +=
+dzᵀ · hidden), so the whole loss costs three GEMMs and the ``[N, V]`` logits never exist. For
+"none" the forward keeps lse and the backward recomputes each chunk's logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tiling import warps
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ,  # BIAS only with HAS_BIAS; DZ (contiguous) may be Z
+    V,
+    stride_zn, stride_zv, stride_g, stride_dzn,  # stride_g is 0 for one gradient shared by all rows
+    ignore_index,
+    label_smoothing,
+    HAS_BIAS: tl.constexpr,
+    SMOOTHING: tl.constexpr,  # label_smoothing > 0: mean(z) is needed
+    COMPUTE_LSE: tl.constexpr,  # else LSE is read
+    WRITE_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_zn
+    target = tl.load(TARGET + row)
+    kept = target != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+
+    if COMPUTE_LSE:
+        m = -float("inf")
+        s = 0.0
+        z_sum = 0.0
+        for c in range(0, V, BLOCK_V):
+            mask = c + cols < V
+            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf")).to(tl.float32)
+            if HAS_BIAS:
+                z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            if SMOOTHING:
+                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        tl.store(LSE + row, lse)
+    else:
+        lse = tl.load(LSE + row)
+
+    if WRITE_LOSS:
+        # A target outside [0, V) that is not ignored gives NaN rather than reading out of bounds.
+        in_range = (target >= 0) & (target < V)
+        z_t = tl.load(z_row + target * stride_zv, mask=kept & in_range, other=float("nan")).to(tl.float32)
+        if HAS_BIAS:
+            z_t += tl.load(BIAS + target, mask=kept & in_range, other=0.0).to(tl.float32)
+        loss = (1.0 - label_smoothing) * (lse - z_t)
+        if SMOOTHING:
+            loss += label_smoothing * (lse - z_sum / V)
+        tl.store(LOSS + row, tl.where(kept, loss, 0.0))
+
+    if WRITE_GRAD:
+        g = tl.where(kept, tl.load(GRAD + row * stride_g).to(tl.float32), 0.0)
+        for c in range(0, V, BLOCK_V):
+            mask = c + cols < V
+            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
+            d = tl.exp(z - lse) - label_smoothing / V
+            d -= tl.where(c + cols == target, 1.0 - label_smoothing, 0.0)
+            tl.store(DZ + row * stride_dzn + c + cols, (g * d).to(DZ.dtype.element_ty), mask=mask)
+
+
+def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *, compute_lse, write_loss,
+          block_v, elems_per_warp):
+    """Run the kernel over the rows of ``z``; ``grad`` (None: no gradient pass) is ``[N]`` or 0-dim."""
+    n, v = z.shape
+    if n == 0:
+        return
+    if v == 0:
+        # no classes: lse = log 0; every row must be ignored, so losses and gradients are empty or 0
+        if compute_lse:
+            lse.fill_(-float("inf"))
+        if write_loss:
+            loss.zero_()
+        return
+    block = min(triton.next_power_of_2(v), block_v)
+    _cross_entropy_kernel[(n,)](
+        z, target, bias, grad, loss, lse, dz, v,
+        z.stride(0), z.stride(1), grad.stride(0) if grad is not None and grad.dim() else 0,
+        dz.stride(0) if dz is not None else 0, ignore_index, label_smoothing,
+        HAS_BIAS=bias is not None, SMOOTHING=label_smoothing > 0, COMPUTE_LSE=compute_lse,
+        WRITE_LOSS=write_loss, WRITE_GRAD=grad is not None,
+        BLOCK_V=block, num_warps=warps(block, elems_per_warp),
+    )
+
+
+def _kept(target, ignore_index):
+    """Rows counted by "mean", at least 1 so that all-ignored gives 0 (kept on the device: no sync)."""
+    return (target != ignore_index).sum().clamp(min=1)
+
+
+def _reduce(losses, target, ignore_index, reduction, dtype):
+    if reduction == "none":
+        return losses.to(dtype)
+    total = losses.sum()
+    return (total if reduction == "sum" else total / _kept(target, ignore_index)).to(dtype)
+
+
+def _row_grad(dloss, target, ignore_index, reduction):
+    """The gradient reaching each row's loss, as the kernel reads it: ``[N]`` or one shared value."""
+    if reduction == "none":
+        return dloss
+    g = dloss.to(torch.float32)
+    return g / _kept(target, ignore_index) if reduction == "mean" else g
+
+
+def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, *, block_v: int = 8192,
+                      elems_per_warp: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, lse)``. Tuning: the row is read in chunks of ``block_v`` logits, one warp per
+    ``elems_per_warp`` of a chunk."""
+    n = logits.shape[0]
+    losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _rows(logits, target, None, None, losses, lse, None, ignore_index, label_smoothing, compute_lse=True,
+          write_loss=True, block_v=block_v, elems_per_warp=elems_per_warp)
+    return _reduce(losses, target, ignore_index, reduction, logits.dtype), lse
+
+
+def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, loss, lse, dloss, *,
+                      block_v: int = 8192, elems_per_warp: int = 512) -> tuple[torch.Tensor]:
+    """``(dlogits,)``, written in one pass over the logits from the saved ``lse``."""
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _rows(logits, target, None, _row_grad(dloss, target, ignore_index, reduction), None, lse, dlogits,
+          ignore_index, label_smoothing, compute_lse=False, write_loss=False, block_v=block_v,
+          elems_per_warp=elems_per_warp)
+    return (dlogits,)
+
+
+def _logits(h, weight, out):
+    """``out = h · weightᵀ`` in float32, as the contract computes logits: 16-bit logits of
+    magnitude 1e3 would be off by whole units, and exp turns that into wrong gradients."""
+    if h.dtype == torch.float32:
+        return torch.mm(h, weight.t(), out=out)
+    if h.device.type == "cuda":
+        # cuBLAS writes its float32 accumulator directly
+        return torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    # elsewhere (the Triton interpreter's CPU tensors) `weight` arrives already in float32
+    return torch.mm(h.to(torch.float32), weight.t(), out=out)
+
+
+def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, chunk_elems, block_v,
+             elems_per_warp):
+    """One pass over chunks of rows of the logits: writes ``lse`` and ``losses`` when ``losses`` is
+    given (else reads ``lse``), and with ``grad`` returns ``(dhidden, dweight, dbias)``."""
+    n, k = hidden.shape
+    v = weight.shape[0]
+    step = max(1, min(n, chunk_elems // max(v, 1)))
+    # whole multiples of 128 rows keep the chunk GEMMs on full tiles
+    step -= step % 128 if step > 128 else 0
+    z_buf = torch.empty(step, v, dtype=torch.float32, device=hidden.device)
+    w_logits = weight if hidden.dtype == torch.float32 or hidden.device.type == "cuda" else weight.float()
+    if grad is not None:
+        # dz feeds the gradient GEMMs in hidden's dtype; float32 dz can overwrite the logits
+        dz_buf = z_buf if hidden.dtype == torch.float32 else torch.empty_like(z_buf, dtype=hidden.dtype)
+        dhidden = torch.empty(n, k, dtype=hidden.dtype, device=hidden.device)
+        dweight = torch.zeros(v, k, dtype=weight.dtype, device=weight.device)
+        dbias = torch.zeros(v if bias is not None else 0, dtype=torch.float32, device=hidden.device)
+    for start in range(0, n, step):
+        r = slice(start, min(start + step, n))
+        h = hidden[r]
+        z = _logits(h, w_logits, z_buf[: h.shape[0]])
+        dz = dz_buf[: h.shape[0]] if grad is not None else None
+        _rows(z, target[r], bias, grad[r] if grad is not None and grad.dim() else grad,
+              losses[r] if losses is not None else None, lse[r], dz, ignore_index, 0.0,
+              compute_lse=losses is not None, write_loss=losses is not None, block_v=block_v,
+              elems_per_warp=elems_per_warp)
+        if grad is not None:
+            torch.mm(dz, weight, out=dhidden[r])
+            dweight.addmm_(dz.t(), h)
+            if bias is not None:
+                dbias += dz.sum(0, dtype=torch.float32)
+    if grad is None:
+        return None
+    return dhidden, dweight, dbias.to(bias.dtype) if bias is not None else dbias
+
+
+def linear_cross_entropy_fwd(
+    hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 27,
+    block_v: int = 8192, elems_per_warp: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk (the
+    only ``[rows, V]`` buffer held), ``block_v`` / ``elems_per_warp`` as for `cross_entropy_fwd`."""
+    n = hidden.shape[0]
+    losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    fused = needs_grad and reduction != "none"
+    grad = _row_grad(torch.ones((), device=hidden.device), target, ignore_index, reduction) if fused else None
+    grads = _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, chunk_elems=chunk_elems,
+                     block_v=block_v, elems_per_warp=elems_per_warp)
+    return (_reduce(losses, target, ignore_index, reduction, hidden.dtype),
+            *(grads if grads is not None else (hidden.new_empty(0) for _ in range(3))), lse)
+
+
+def linear_cross_entropy_bwd(
+    hidden, weight, target, bias, ignore_index, reduction, needs_grad, loss, dhidden, dweight, dbias, lse,
+    dloss, *, chunk_elems: int = 1 << 27, block_v: int = 8192, elems_per_warp: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dhidden, dweight, dbias)``: the forward's gradients scaled by ``dloss`` when it made
+    them, else recomputed chunk by chunk from the saved ``lse``."""
+    if needs_grad and reduction != "none":
+        # a 0-dim float32 factor keeps each result's dtype and multiplies in float32
+        g = dloss.to(torch.float32)
+        return dhidden * g, dweight * g, dbias * g
+    return _chunked(hidden, weight, target, bias, ignore_index, lse, None,
+                    _row_grad(dloss, target, ignore_index, reduction), chunk_elems=chunk_elems,
+                    block_v=block_v, elems_per_warp=elems_per_warp)

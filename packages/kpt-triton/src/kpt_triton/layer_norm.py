@@ -1,0 +1,205 @@
+"""Layer normalization over the last dimension: ``layer_norm``.
+
+Forward, per row of ``D`` columns (statistics in float32, biased variance)::
+
+    mean = mean(x, -1)
+    rstd = rsqrt(mean((x − mean)², -1) + eps)
+    y    = (x − mean) · rstd · weight + bias
+
+Backward, with x̂ = (x − mean) · rstd and g = dy · weight::
+
+    dx      = rstd · (g − mean(g, -1) − x̂ · mean(g · x̂, -1))
+    dweight = Σ_rows dy · x̂
+    dbias   = Σ_rows dy
+
+The variance is never formed as E[x²] − E[x]² (which cancels when |mean| ≫ std): a row held in
+one chunk is centred in registers; a row of several chunks merges each chunk's exact mean and
+centred sum of squares (Chan et al.'s pairwise update). The backward runs a persistent grid with
+per-program partial sums of ``dweight`` and ``dbias``, reduced by the launcher.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kpt.spec import rows
+
+from .tiling import load_tile, persistent_programs, row_tiling, warps
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, W, B, Y, MEAN, RSTD,  # W only with HAS_WEIGHT, B only with HAS_BIAS
+    R, D,  # rows, columns; Y is contiguous [R, D]
+    stride_xr, stride_xc,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    row_ok = rows < R
+    cols = tl.arange(0, BLOCK_D)
+
+    # Statistics of the first chunk, which stays in registers for the output pass.
+    mask0 = row_ok[:, None] & (cols < D)[None, :]
+    x0 = load_tile(X, rows, cols, stride_xr, stride_xc, mask0)
+    count = tl.maximum(tl.minimum(D, BLOCK_D), 1).to(tl.float32)
+    mean = tl.sum(x0, axis=1) / count
+    centred = tl.where(mask0, x0 - mean[:, None], 0.0)
+    m2 = tl.sum(centred * centred, axis=1)
+    for c in range(BLOCK_D, D, BLOCK_D):
+        mask = row_ok[:, None] & (c + cols < D)[None, :]
+        x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
+        n = tl.minimum(D - c, BLOCK_D).to(tl.float32)
+        chunk_mean = tl.sum(x, axis=1) / n
+        centred = tl.where(mask, x - chunk_mean[:, None], 0.0)
+        delta = chunk_mean - mean
+        total = count + n
+        mean += delta * (n / total)
+        m2 += tl.sum(centred * centred, axis=1) + delta * delta * (count * n / total)
+        count = total
+    rstd = 1.0 / tl.sqrt(m2 / tl.maximum(D, 1).to(tl.float32) + eps)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+    for c in range(0, D, BLOCK_D):
+        mask = row_ok[:, None] & (c + cols < D)[None, :]
+        if c == 0:
+            x = x0
+        else:
+            x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
+        y = (x - mean[:, None]) * rstd[:, None]
+        if HAS_WEIGHT:
+            y *= tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y += tl.load(B + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows[:, None] * D + c + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    X, W, MEAN, RSTD, DY, DX, DW_PART, DB_PART,  # W only with HAS_WEIGHT
+    R, D,  # rows, columns; DX is contiguous [R, D], the partial buffers [programs, D] float32
+    stride_xr, stride_xc, stride_dyr, stride_dyc,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    if HAS_WEIGHT:
+        w0 = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+    # Partial sums of the first chunk live in registers; later chunks (rows wider than BLOCK_D
+    # only) add into this program's own rows of the partial buffers.
+    dw0 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    db0 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    inv_d = 1.0 / tl.maximum(D, 1).to(tl.float32)
+    for r0 in range(pid * BLOCK_R, R, tl.num_programs(0) * BLOCK_R):
+        rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        row_ok = rows < R
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
+
+        # Pass 1: mean(g) and mean(g · x̂) over the row; the first chunk stays in registers.
+        mask0 = row_ok[:, None] & (cols < D)[None, :]
+        xhat0 = tl.where(mask0, (load_tile(X, rows, cols, stride_xr, stride_xc, mask0) - mean) * rstd, 0.0)
+        dy0 = load_tile(DY, rows, cols, stride_dyr, stride_dyc, mask0)
+        g0 = dy0 * w0[None, :] if HAS_WEIGHT else dy0
+        sum_g = tl.sum(g0, axis=1)
+        sum_gx = tl.sum(g0 * xhat0, axis=1)
+        for c in range(BLOCK_D, D, BLOCK_D):
+            mask = row_ok[:, None] & (c + cols < D)[None, :]
+            xhat = (load_tile(X, rows, c + cols, stride_xr, stride_xc, mask) - mean) * rstd
+            xhat = tl.where(mask, xhat, 0.0)
+            g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
+            if HAS_WEIGHT:
+                g *= tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+            sum_g += tl.sum(g, axis=1)
+            sum_gx += tl.sum(g * xhat, axis=1)
+        mean_g = (sum_g * inv_d)[:, None]
+        mean_gx = (sum_gx * inv_d)[:, None]
+
+        # Pass 2: dx, and the partial sums of dweight and dbias.
+        for c in range(0, D, BLOCK_D):
+            mask = row_ok[:, None] & (c + cols < D)[None, :]
+            if c == 0:
+                xhat, dy, g = xhat0, dy0, g0
+            else:
+                xhat = (load_tile(X, rows, c + cols, stride_xr, stride_xc, mask) - mean) * rstd
+                xhat = tl.where(mask, xhat, 0.0)
+                dy = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+            dx = rstd * (g - mean_g - xhat * mean_gx)
+            tl.store(DX + rows[:, None] * D + c + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            col_ok = c + cols < D
+            if c == 0:
+                if HAS_WEIGHT:
+                    dw0 += tl.sum(dy * xhat, axis=0)
+                if HAS_BIAS:
+                    db0 += tl.sum(dy, axis=0)
+            else:
+                if HAS_WEIGHT:
+                    part = DW_PART + pid * D + c + cols
+                    tl.store(part, tl.load(part, mask=col_ok) + tl.sum(dy * xhat, axis=0), mask=col_ok)
+                if HAS_BIAS:
+                    part = DB_PART + pid * D + c + cols
+                    tl.store(part, tl.load(part, mask=col_ok) + tl.sum(dy, axis=0), mask=col_ok)
+    if HAS_WEIGHT:
+        tl.store(DW_PART + pid * D + cols, dw0, mask=cols < D)
+    if HAS_BIAS:
+        tl.store(DB_PART + pid * D + cols, db0, mask=cols < D)
+
+
+def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: int = 2048,
+                   elems_per_warp: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)``. Tuning: rows up to ``max_block`` columns are read once; each program
+    normalizes about ``tile_elems`` elements with one warp per ``elems_per_warp``."""
+    x2 = rows(x)
+    n_rows, d = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    if n_rows:
+        _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            x2, weight, bias, y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
+        )
+    return y, mean, rstd
+
+
+def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 16384,
+                   tile_elems: int = 2048, elems_per_warp: int = 512,
+                   programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)``; ``programs_per_sm`` sizes the persistent grid (and the partial
+    buffers: one float32 row per program and parameter)."""
+    x2 = rows(x)
+    n_rows, d = x2.shape
+    dy2 = rows(dy)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    programs = persistent_programs(triton.cdiv(n_rows, block_r), x.device, programs_per_sm)
+    # Rows wider than one chunk add into the partial buffers, so they must start at zero.
+    alloc = torch.zeros if d > block_d else torch.empty
+    parts = [alloc((programs, d) if p is not None else (0,), dtype=torch.float32, device=x.device)
+             for p in (weight, bias)]
+    if programs:
+        _layer_norm_bwd_kernel[(programs,)](
+            x2, weight, mean, rstd, dy2, dx, *parts, n_rows, d,
+            x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
+        )
+    grads = [
+        x.new_empty(0) if p is None else part.sum(0).to(p.dtype)
+        for p, part in zip((weight, bias), parts, strict=True)
+    ]
+    return dx, grads[0], grads[1]

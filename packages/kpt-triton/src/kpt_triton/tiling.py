@@ -1,0 +1,83 @@
+"""How the launchers cut their work into Triton programs.
+
+Row-wise kernels (norms, softmax, per-row fp8, cross-entropy) see their input as ``[R, D]``
+rows and give each program a tile of ``BLOCK_R × BLOCK_D`` elements. A row wider than
+``max_block`` columns is walked in chunks of ``BLOCK_D``; the kernels keep the first chunk in
+registers, so a row that fits in one chunk is read from memory exactly once.
+
+Element-wise kernels (activations, fp8 scaling) use the same tiles: a contiguous input is one
+long row, a strided one keeps its own rows, so a column slice of a wider buffer (``gate, up =
+proj.chunk(2, -1)``) is read in place instead of being copied first.
+
+Backward kernels that reduce over rows (``dweight``) run a persistent grid of a few programs
+per multiprocessor; each program sums its rows into its own row of a partial buffer, which the
+launcher reduces afterwards: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kpt.spec import rows
+
+
+def row_tiling(d: int, *, max_block: int, tile_elems: int) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_D)`` for rows of ``d`` columns: whole rows up to ``max_block`` columns,
+    then enough rows per tile to reach about ``tile_elems`` elements."""
+    block_d = min(triton.next_power_of_2(max(d, 1)), max_block)
+    return max(1, tile_elems // block_d), block_d
+
+
+def warps(tile: int, elems_per_warp: int, max_warps: int = 16) -> int:
+    """A power-of-two warp count giving each warp about ``elems_per_warp`` elements of a tile."""
+    return max(1, min(max_warps, triton.next_power_of_2(max(1, tile // elems_per_warp))))
+
+
+def as_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """2-D views of same-shaped tensors for an element-wise kernel: one row of every element
+    when all are contiguous, else their ``[rows, last dim]`` views (strides kept)."""
+    if all(t.is_contiguous() for t in tensors):
+        return tuple(t.reshape(1, t.numel()) for t in tensors)
+    return tuple(rows(t) for t in tensors)
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units, Xe cores) of ``device``; on CPU tensors, which
+    only the Triton interpreter runs, the CPU count."""
+    if device.type == "cpu":
+        return os.cpu_count() or 1
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return int(props["multiprocessor_count"])
+
+
+def persistent_programs(tiles: int, device: torch.device, programs_per_sm: int) -> int:
+    """The grid of a persistent kernel: at most ``programs_per_sm`` per multiprocessor."""
+    return min(tiles, multiprocessor_count(device) * programs_per_sm)
+
+
+
+@triton.jit
+def load_tile(PTR, rows, cols, stride_r, stride_c, mask):
+    """The tile ``rows × cols`` of a strided matrix (``rows`` int64), loaded as float32."""
+    ptrs = PTR + rows[:, None] * stride_r + cols[None, :] * stride_c
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def tile_of(pid, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows (int64), columns and mask of tile ``pid`` of an ``[R, D]`` matrix, columns fastest."""
+    col_blocks = tl.cdiv(D, BLOCK_D)
+    rows = ((pid // col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (pid % col_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return rows, cols, (rows < R)[:, None] & (cols < D)[None, :]
+
+
+def tiles(r: int, d: int, block_r: int, block_d: int) -> int:
+    """How many `tile_of` tiles cover an ``[r, d]`` matrix."""
+    return triton.cdiv(r, block_r) * triton.cdiv(d, block_d)

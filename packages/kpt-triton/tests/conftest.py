@@ -1,0 +1,110 @@
+"""Shared checks: each launcher against its spec's float64 reference.
+
+Without a GPU the kernels run in the Triton interpreter on CPU tensors; the switch must be
+set before ``triton`` is first imported, hence here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kpt  # noqa: E402
+from kpt.testing import to_device  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def device() -> torch.device:
+    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    return torch.device("cuda" if gpu else "cpu")
+
+
+def to64(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        return v.detach().to("cpu", torch.float64)
+    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """The criterion of ``kpt.tolerance`` with the default tolerance of ``dtype``."""
+    tol = kpt.default_tolerance(dtype)
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert out.is_contiguous(), f"{what}: output is not contiguous"
+    if not ref.is_floating_point():
+        assert torch.equal(out.cpu(), ref), f"{what}: integer output differs"
+        return
+    o, r = out.detach().to("cpu", torch.float64), ref.to(torch.float64)
+    assert not (o.isnan() & ~r.isnan()).any(), f"{what}: NaN where the reference has none"
+    if r.numel() == 0:
+        return
+    finite = r.isfinite()
+    same = (o[~finite] == r[~finite]) | (o[~finite].isnan() & r[~finite].isnan())
+    assert same.all(), f"{what}: infinities or NaNs differ from the reference"
+    o, r = o[finite], r[finite]
+    if r.numel() == 0:
+        return
+    scale = r.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    err = (o - r).abs()
+    rel_norm = (o - r).norm() / r.norm().clamp_min(torch.finfo(torch.float64).tiny)
+    assert rel_norm <= tol.rel_norm, f"{what}: relative norm error {rel_norm:.3g} > {tol.rel_norm}"
+    bad = err > tol.atol * scale + tol.rtol * r.abs()
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements out of tolerance, max error {err.max():.3g}"
+
+
+def _meta(v: Any) -> Any:
+    return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+
+def check_kernel(name: str, fwd: Callable[..., Any], bwd: Callable[..., Any] | None, args: dict[str, Any],
+                 dtype: torch.dtype, *, compare_saved: Sequence[str] = (), seed: int = 0) -> None:
+    """Run ``fwd`` (and ``bwd`` with random output gradients) on ``args`` on the test device and
+    compare public outputs, the named saved tensors and every gradient with the float64
+    reference; dtypes and shapes must be those of the reference run on the real dtypes.
+
+    Unlike ``kpt.testing`` this drives the launchers directly (no backend, no autograd), so each
+    kernel body is checked on its own."""
+    spec = kpt.SPECS[name]
+    dev = device()
+    on_dev = list(to_device(args, dev).values())
+    out = fwd(*on_dev)
+    expected = spec.forward(*[_meta(v) for v in args.values()])
+    ref_args = [to64(v) for v in args.values()]
+    ref = spec.forward(*ref_args)
+    assert len(out) == len(ref), f"{name}: forward returned {len(out)} tensors, the spec {len(ref)}"
+    for i, n in enumerate(spec.outputs + spec.saved):
+        assert out[i].dtype == expected[i].dtype, f"{name}.{n}: dtype {out[i].dtype} != {expected[i].dtype}"
+        if n in spec.outputs or n in compare_saved:
+            assert_close(out[i], ref[i], _tol_dtype(out[i], dtype), f"{name}.{n}")
+    if bwd is None:
+        return
+    g = torch.Generator().manual_seed(seed + 1)
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(dev, o.dtype)
+             for o in out[: len(spec.outputs)]]
+    got = bwd(*on_dev, *out, *grads)
+    # the oracle differentiates its own float64 forward, as the conformance suite does
+    want = spec.backward(*ref_args, *ref, *[to64(gr) for gr in grads])
+    want_meta = spec.backward(*[_meta(v) for v in [*args.values(), *out, *grads]])
+    assert len(got) == len(want), f"{name}: backward returned {len(got)} tensors, the spec {len(want)}"
+    if spec.grads is not None:
+        got, want, want_meta = spec.grads(got), spec.grads(want), spec.grads(want_meta)
+    for n, a, b, m in zip(spec.differentiable, got, want, want_meta, strict=True):
+        assert a.dtype == m.dtype, f"{name}: grad of {n} has dtype {a.dtype}, expected {m.dtype}"
+        assert_close(a, b, dtype, f"{name}: grad of {n}")
+
+
+def _tol_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """fp8 outputs have their own tolerance; everything else that of the activation dtype."""
+    return out.dtype if out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    return request.param

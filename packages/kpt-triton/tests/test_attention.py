@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kpt
+from conftest import check_kernel, device
+from kpt.spec import randn
+from kpt_triton import attention as k
+
+# (B, Hq, Hkv, Sq, Skv, D, causal): odd lengths, Sq != Skv both ways, grouped-query, padded head dims
+SHAPES = {
+    "odd": (1, 2, 2, 17, 17, 24, False),
+    "gqa_causal": (2, 4, 2, 17, 40, 64, True),
+    "more_queries_causal": (1, 2, 1, 40, 17, 80, True),
+    "decode": (1, 3, 1, 1, 33, 32, True),
+    "mqa_long": (1, 2, 1, 100, 100, 64, True),
+    "cross": (1, 2, 1, 9, 100, 16, False),
+}
+
+
+def _all_dims(block_m, block_n):
+    """The same small tiles for every head dim (16-bit inputs; float32 keeps the portable tiles)."""
+    tiles = {d: k.Tiles(block_m, block_n, 4, 2) for d in (16, 32, 64, 128, 256)}
+    return {"tiles": tiles}
+
+
+# small tiles make every loop of the kernels take several trips and hit every block boundary case
+TILES = {"portable": {}, "tiles16": _all_dims(16, 16), "tiles16x32": _all_dims(16, 32)}
+
+
+def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=None):
+    def draw(h, s):
+        if transposed:
+            return randn(g, b, s, h, d, dtype=dtype).transpose(1, 2)
+        return randn(g, b, h, s, d, dtype=dtype)
+
+    return {"q": draw(hq, sq), "k": draw(hkv, skv), "v": draw(hkv, skv), "causal": causal,
+            "scale": d**-0.5 if scale is None else scale}
+
+
+def _bodies(tiles):
+    def fwd(*a):
+        return k.attention_fwd(*a, **tiles)
+
+    def bwd(*a):
+        return k.attention_bwd(*a, **tiles)
+
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("tiles", TILES.values(), ids=TILES.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_shapes(dtype, shape, tiles):
+    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    check_kernel("attention", *_bodies(tiles), _args(g, dtype, *shape), dtype, compare_saved=("lse",))
+
+
+@pytest.mark.parametrize("variant", ["strided", "head_dim_256", "explicit_scale", "zero_scale"])
+def test_variants(dtype, variant):
+    g = torch.Generator().manual_seed(11)
+    if variant == "strided":
+        args = _args(g, dtype, 2, 4, 2, 33, 33, 64, True, transposed=True)
+    elif variant == "head_dim_256":
+        args = _args(g, dtype, 1, 2, 1, 17, 17, 256, True)
+    elif variant == "explicit_scale":
+        args = _args(g, dtype, 1, 2, 2, 20, 20, 48, False, scale=0.3)
+    else:
+        # uniform attention; the causal mask must not meet 0 · -inf
+        args = _args(g, dtype, 1, 2, 2, 20, 20, 48, True, scale=0.0)
+    check_kernel("attention", *_bodies(_all_dims(16, 16)), args, dtype, compare_saved=("lse",))
+
+
+# Gradient bounds (relative error norm) for nearly one-hot attention. The true gradient is the
+# small difference dp - delta: float32 loses the rounding of scores near 200 (~1e-5; float32
+# PyTorch itself lands at 1.6e-5..3.3e-5 here), 16-bit dtypes the rounding of o, from which
+# delta = rowsum(do * o) is taken, and of p in the forward's p·v (measured: float16 ~2e-3,
+# bfloat16 2e-2..6e-2). A wrong gradient is off by order 1.
+HUGE_SCORE_GRAD_BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 0.1}
+
+
+def test_huge_scores(dtype):
+    """Scores with a standard deviation of 64: the softmax is nearly one-hot."""
+    g = torch.Generator().manual_seed(13)
+    args = _args(g, dtype, 1, 2, 2, 40, 40, 64, True, scale=8.0)
+    fwd, bwd = _bodies(_all_dims(16, 16))
+    check_kernel("attention", fwd, None, args, dtype, compare_saved=("lse",))
+    on_dev = [v.to(device()) if isinstance(v, torch.Tensor) else v for v in args.values()]
+    out = fwd(*on_dev)
+    do = randn(g, *out[0].shape, dtype=dtype).to(device())
+    got = bwd(*on_dev, *out, do)
+    spec = kpt.SPECS["attention"]
+    ref64 = [v.double() if isinstance(v, torch.Tensor) else v for v in args.values()]
+    want = spec.backward(*ref64, *spec.forward(*ref64), do.cpu().double())
+    for name, a, b in zip("qkv", got, want):
+        assert not bool(a.isnan().any()), f"grad of {name} has NaN"
+        err = float((a.cpu().double() - b).norm() / b.norm())
+        assert err < HUGE_SCORE_GRAD_BOUND[dtype], f"grad of {name}: relative norm error {err:.3g}"
+
+
+EMPTY = {"zero_queries": (2, 2, 2, 0, 16, 64, True), "zero_keys": (2, 2, 2, 16, 0, 64, False),
+         "zero_batch": (0, 4, 2, 16, 16, 64, False)}
+
+
+@pytest.mark.parametrize("shape", EMPTY.values(), ids=EMPTY.keys())
+def test_empty(dtype, shape):
+    g = torch.Generator().manual_seed(3)
+    check_kernel("attention", k.attention_fwd, k.attention_bwd, _args(g, dtype, *shape), dtype,
+                 compare_saved=("lse",))
+
+
+def test_blind_queries_are_zero_not_nan():
+    """Causal with Sq > Skv: the first Sq - Skv queries see no key: o = 0, lse = -inf, zero gradients."""
+    g = torch.Generator().manual_seed(5)
+    a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v
+         for n, v in _args(g, torch.float32, 1, 2, 1, 24, 8, 32, True).items()}
+    o, lse = k.attention_fwd(*a.values(), **_all_dims(16, 16))
+    blind = 24 - 8
+    assert torch.equal(o[:, :, :blind], torch.zeros_like(o[:, :, :blind]))
+    assert bool((lse[:, :, :blind] == float("-inf")).all()) and bool(lse[:, :, blind:].isfinite().all())
+    do = randn(g, *o.shape, dtype=torch.float32).to(device())
+    dq, dk, dv = k.attention_bwd(*a.values(), o, lse, do, **_all_dims(16, 16))
+    assert torch.equal(dq[:, :, :blind], torch.zeros_like(dq[:, :, :blind]))
+    assert not any(bool(t.isnan().any()) for t in (dq, dk, dv))
+
+
+def test_no_output_gradient_gives_zeros():
+    g = torch.Generator().manual_seed(9)
+    a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v
+         for n, v in _args(g, torch.float16, 1, 2, 1, 5, 7, 16, True).items()}
+    o, lse = k.attention_fwd(*a.values())
+    grads = k.attention_bwd(*a.values(), o, lse, None)
+    for grad, inp in zip(grads, (a["q"], a["k"], a["v"])):
+        assert grad.shape == inp.shape and grad.dtype == inp.dtype and not bool(grad.any())

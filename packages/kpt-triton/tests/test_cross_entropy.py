@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import check_kernel
+from kpt.spec import randn, strided
+from kpt_triton import cross_entropy as k
+
+
+def _targets(g, n, v, ignored, ignore_index=-100):
+    t = torch.randint(0, max(v, 1), (n,), generator=g)
+    return t.masked_fill(torch.rand(n, generator=g) < (ignored if v else 1.0), ignore_index)
+
+
+def _ce(g, dtype, n, v, *, reduction="mean", smoothing=0.0, ignored=0.2, ignore_index=-100, scale=1.0,
+        layout=lambda t: t):
+    logits = layout(randn(g, n, v, dtype=dtype, scale=scale))
+    return {"logits": logits, "target": _targets(g, n, v, ignored, ignore_index),
+            "ignore_index": ignore_index, "label_smoothing": smoothing, "reduction": reduction}
+
+
+CE_CASES = {
+    "mean": dict(n=7, v=37),
+    "sum": dict(n=5, v=19, reduction="sum"),
+    "none": dict(n=6, v=50, reduction="none"),
+    "smoothing": dict(n=5, v=33, smoothing=0.1),
+    "smoothing_none": dict(n=3, v=70, smoothing=0.2, reduction="none"),
+    "ignore_class_0": dict(n=9, v=5, ignore_index=0, ignored=0.0),
+    "all_ignored": dict(n=4, v=10, ignored=1.0),
+    "huge": dict(n=4, v=64, scale=1e4),
+    "strided": dict(n=5, v=24, layout=strided),
+    "transposed": dict(n=13, v=9, layout=lambda t: t.t().contiguous().t()),
+    "zero_rows": dict(n=0, v=16, reduction="sum"),
+    "zero_classes": dict(n=3, v=0),
+    "single": dict(n=1, v=1, ignored=0.0),
+}
+
+
+@pytest.mark.parametrize("case", CE_CASES)
+def test_cross_entropy(dtype, case):
+    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    # small chunks so that the online logsumexp crosses several of them
+    kw = {"block_v": 16}
+    check_kernel("cross_entropy", lambda *a: k.cross_entropy_fwd(*a, **kw),
+                 lambda *a: k.cross_entropy_bwd(*a, **kw), _ce(g, dtype, **CE_CASES[case]), dtype,
+                 compare_saved=("lse",) if CE_CASES[case].get("v") else ())
+
+
+def test_out_of_range_target_is_nan():
+    args = _ce(torch.Generator().manual_seed(1), torch.float32, 3, 8, ignored=0.0, reduction="none")
+    args["target"][1] = 8
+    loss, _ = k.cross_entropy_fwd(*args.values())
+    assert loss[1].isnan() and not loss[0].isnan() and not loss[2].isnan()
+
+
+def _lce(g, dtype, n, kdim, v, *, reduction="mean", bias=None, ignored=0.2, scale=1.0, layout=lambda t: t):
+    return {
+        "hidden": layout(randn(g, n, kdim, dtype=dtype, scale=scale)),
+        "weight": layout(randn(g, v, kdim, dtype=dtype, scale=max(kdim, 1) ** -0.5)),
+        "target": _targets(g, n, v, ignored),
+        "bias": randn(g, v, dtype=dtype if bias is True else bias) if bias else None,
+        "ignore_index": -100,
+        "reduction": reduction,
+    }
+
+
+LCE_CASES = {
+    "mean": dict(n=9, kdim=16, v=40),
+    "sum_bias": dict(n=7, kdim=8, v=33, reduction="sum", bias=True),
+    "none_bias": dict(n=7, kdim=8, v=33, reduction="none", bias=True),
+    "fp32_bias": dict(n=6, kdim=8, v=20, bias=torch.float32),
+    "strided": dict(n=5, kdim=12, v=17, layout=strided),
+    "transposed": dict(n=5, kdim=12, v=17, layout=lambda t: t.t().contiguous().t()),
+    "all_ignored": dict(n=4, kdim=8, v=10, ignored=1.0),
+    # logits near ±300 and ±3000: rounded to 16 bits they would be off by whole units (the kernel
+    # keeps them in float32). In float32 itself logits of 1e3 carry errors of 6e-5 that exp turns
+    # into gradient errors above float32's tolerance whatever the kernel, hence two scales.
+    "huge": dict(n=4, kdim=16, v=64, scale=100.0),
+    "huge_16bit": dict(n=16, kdim=64, v=512, scale=1e3),
+    "zero_rows": dict(n=0, kdim=8, v=10),
+    "zero_hidden": dict(n=3, kdim=0, v=10, reduction="sum"),
+    "single": dict(n=1, kdim=1, v=1, ignored=0.0),
+}
+
+
+@pytest.mark.parametrize("needs_grad", [True, False], ids=["fused", "recompute"])
+@pytest.mark.parametrize("case", LCE_CASES)
+def test_linear_cross_entropy(dtype, case, needs_grad):
+    if dtype == torch.float32 and (LCE_CASES[case].get("bias") is torch.float32 or case == "huge_16bit"):
+        pytest.skip("a 16-bit case")
+    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    args = {**_lce(g, dtype, **LCE_CASES[case]), "needs_grad": needs_grad}
+    # a few rows per chunk: every chunk boundary of the row loop is crossed
+    kw = {"chunk_elems": 3 * max(args["weight"].shape[0], 1), "block_v": 16}
+    check_kernel("linear_cross_entropy", lambda *a: k.linear_cross_entropy_fwd(*a, **kw),
+                 lambda *a: k.linear_cross_entropy_bwd(*a, **kw), args, dtype)
