@@ -29,6 +29,7 @@ from .kernels import SPECS
 from .ops import as_tuple
 from .registry import get_backend
 from .spec import Case, KernelSpec
+from .spec import nbytes as nbytes_of
 from .testing import compare, to_device
 from .tolerance import default_tolerance
 
@@ -212,8 +213,14 @@ def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, 
     for name, call in impls.items():
         result.ms[name] = time_ms(_runner(call, spec, args, mode), device)
     values = spec.validate(spec.bind((), args), backend.dtypes)
-    nbytes = spec.min_bytes(values, got) * (3 if mode == "fwd+bwd" else 1)
-    flops = spec.flops(values) * (3 if mode == "fwd+bwd" else 1)
+    nbytes = spec.min_bytes(values, got)
+    flops = spec.flops(values)
+    if mode == "fwd+bwd":
+        # the backward reads the inputs and the output gradients once and writes the input gradients
+        grads = [values[n] for n in spec.differentiable if isinstance(values[n], torch.Tensor)]
+        nbytes += spec.min_bytes(values, got) + nbytes_of(*grads)
+        flops *= 3  # a product's backward is two products of the forward's size
+
     seconds = result.ms["backend"] / 1e3
     result.gbps = nbytes / seconds / 1e9
     result.tflops = flops / seconds / 1e12
