@@ -21,28 +21,31 @@ nox.options.reuse_existing_virtualenvs = False
 CONSTRAINTS = ("-c", "constraints/ci.txt")
 HAS_NVIDIA_GPU = shutil.which("nvidia-smi") is not None
 
-# conformance profile -> (backend name, packages to install, environment)
-PROFILES: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
-    "reference": ("reference", (), {}),
-    # without a GPU the Triton kernels run on CPU tensors through Triton's interpreter
-    "cuda": ("cuda", ("kpt-triton", "kpt-cuda"), {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}),
-    "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), {}),
-    "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<18,8,RND,SAT>"}),
+# without a GPU the Triton kernels run on CPU tensors through Triton's interpreter (which needs numpy)
+CUDA_ENV = {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}
+CUDA_EXTRA = () if HAS_NVIDIA_GPU else ("numpy",)
+
+# conformance profile -> (backend name, packages to install, other requirements, environment)
+PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
+    "reference": ("reference", (), (), {}),
+    "cuda": ("cuda", ("kpt-triton", "kpt-cuda"), CUDA_EXTRA, CUDA_ENV),
+    "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
+    "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<18,8,RND,SAT>"}),
 }
 PACKAGES = ("kpt-core", "kpt-triton", "kpt-cuda", "kpt-fpga-sim")
 
 
-def _install(session: nox.Session, *packages: str, editable: bool = False) -> None:
+def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), editable: bool = False) -> None:
     paths = [f"packages/{p}" for p in ("kpt-core", *packages)]
     if editable:
         paths = [arg for p in paths for arg in ("-e", p)]
-    session.install(*CONSTRAINTS, "pytest", *paths)
+    session.install(*CONSTRAINTS, "pytest", *extra, *paths)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's unit tests on the CPU (Triton kernels through the interpreter)."""
-    _install(session, *PACKAGES[1:], editable=True)
+    _install(session, *PACKAGES[1:], extra=("numpy",), editable=True)
     tests = [f"packages/{p}/tests" for p in PACKAGES if Path(f"packages/{p}/tests").is_dir()]
     session.run("pytest", "-q", *tests, *session.posargs, env={"TRITON_INTERPRET": "1"})
 
@@ -51,8 +54,8 @@ def tests(session: nox.Session) -> None:
 @nox.parametrize("profile", list(PROFILES))
 def conformance(session: nox.Session, profile: str) -> None:
     """The conformance suite for one backend profile; writes reports/<profile>/."""
-    backend, packages, env = PROFILES[profile]
-    _install(session, *packages)
+    backend, packages, extra, env = PROFILES[profile]
+    _install(session, *packages, extra=extra)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "conformance", "--kpt-backend", backend,
                 "--kpt-report", f"reports/{profile}", *session.posargs, env=env)
 
@@ -77,7 +80,7 @@ def lint(session: nox.Session) -> None:
 @nox.parametrize("backend", ["cuda"])
 def bench(session: nox.Session, backend: str) -> None:
     """Benchmarks against torch eager and torch.compile on the backend's device (needs a GPU)."""
-    _, packages, _ = PROFILES[backend]
-    _install(session, *packages)
+    _, packages, extra, _ = PROFILES[backend]
+    _install(session, *packages, extra=extra)
     session.run("python", "-m", "kpt.benchmark", "--backend", backend, "--out", f"reports/bench-{backend}",
                 *session.posargs)

@@ -42,6 +42,9 @@ def _load_backend(config: pytest.Config) -> tuple[kpt.Backend | None, str]:
     registry = kpt.registry.registry()
     found = registry.find(name)
     if found is None:
+        info = registry.infos.get(name)
+        if info is not None:
+            return None, f"backend {name!r} {info.reason}: {info.error}"
         return None, f"backend {name!r} is not installed; registered: {', '.join(sorted(registry.infos))}"
     info = registry.infos[name]
     return found, "" if info.available and name in registry.backends else info.reason or str(info.error)
