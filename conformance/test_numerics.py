@@ -50,13 +50,13 @@ def _record(record_property, spec, case, dtype, kind, report) -> None:
 
 
 def test_forward(request, backend, spec, case, dtype, record_property) -> None:
-    report = check_forward(backend, spec, _inputs(request, backend, case, dtype), dtype)
+    report = check_forward(backend, spec, _inputs(request, backend, case, dtype), dtype, case.tolerance_scale)
     _record(record_property, spec, case, dtype, "forward", report)
     assert report.ok, report.message
 
 
 def test_backward(request, backend, spec, case, dtype, record_property) -> None:
     g = torch.Generator().manual_seed(request.config.kpt_seed(request.node.nodeid + "/grad"))
-    report = check_backward(backend, spec, _inputs(request, backend, case, dtype), dtype, g)
+    report = check_backward(backend, spec, _inputs(request, backend, case, dtype), dtype, g, case.tolerance_scale)
     _record(record_property, spec, case, dtype, "backward", report)
     assert report.ok, report.message

@@ -50,6 +50,9 @@ class Case:
     grad: bool = True
     perf: bool = False
     dtypes: tuple[torch.dtype, ...] | None = None
+    tolerance_scale: float = 1.0
+    """Widens every tolerance for an ill-conditioned case, where the float32 reference itself
+    errs by more than the table allows (its spec says why)."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,8 @@ def identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def row_cases(make: Callable[..., Args], perf_shape: tuple[int, ...], *, extreme: bool = True) -> list[Case]:
+def row_cases(make: Callable[..., Args], perf_shape: tuple[int, ...], *, extreme: bool = True,
+              extreme_tolerance_scale: float = 1.0) -> list[Case]:
     """The standard cases of a row-wise kernel.
 
     ``make(g, dtype, shape=..., scale=1.0, layout=identity)`` draws the inputs of one call for
@@ -237,7 +241,8 @@ def row_cases(make: Callable[..., Args], perf_shape: tuple[int, ...], *, extreme
 
     def case(name: str, **kw: Any) -> Case:
         perf = kw.pop("perf", False)
-        return Case(name, lambda g, dtype: make(g, dtype, **kw), perf=perf)
+        scale = extreme_tolerance_scale if name in ("huge", "tiny") else 1.0
+        return Case(name, lambda g, dtype: make(g, dtype, **kw), perf=perf, tolerance_scale=scale)
 
     cases = [case(name, shape=shape) for name, shape in ROW_SHAPES.items()]
     cases += [

@@ -287,7 +287,9 @@ def _cross_entropy_cases() -> list[Case]:
     def case(name: str, **kw: Any) -> Case:
         return Case(name, lambda g, dtype: _make_ce(g, dtype, **kw))
 
-    return row_cases(_make_ce, (8192, 128256)) + [
+    # logits of 1e3: one-hot softmax rows whose gradients cancel to float32's last bits; the float32
+    # reference itself misses the default tolerance on about one seed in ten
+    return row_cases(_make_ce, (8192, 128256), extreme_tolerance_scale=4.0) + [
         case("vocab_32000", shape=(32, 32000)),
         case("sum", shape=(17, 1000), reduction="sum"),
         case("none", shape=(17, 1000), reduction="none"),

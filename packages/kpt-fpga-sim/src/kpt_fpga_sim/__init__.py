@@ -1,0 +1,26 @@
+"""kpt-fpga-sim: every kpt kernel computed the way an HLS design would, with what it would cost.
+
+    import kpt, kpt_fpga_sim
+    be = kpt.get_backend("fpga-sim")                     # float32, Alveo U250, 300 MHz
+    fx = kpt_fpga_sim.configure(be, format=kpt_fpga_sim.ap_fixed(16, 6, "RND", "SAT"),
+                                device="u280", clock_mhz=250, directives={"linear": {"reuse": 4}})
+    y = fx.linear(x, w)
+    print(fx.last_report)                                # cycles, II, resources, roofline, overflows
+
+Number formats: `kpt_fpga_sim.formats`; cost model: `kpt_fpga_sim.hls`; devices and operator
+library: `kpt_fpga_sim.devices`; the C-simulation check: `kpt_fpga_sim.csim`.
+"""
+
+from __future__ import annotations
+
+from .backend import DesignBar, FpgaSimBackend, configure
+from .config import Directives, SimConfig
+from .devices import DEVICES, Device, OpCost
+from .formats import E4M3FN, E5M2, FLOAT32, ApFixed, Minifloat, ap_fixed, parse_format
+from .hls import Report, format_table
+
+__all__ = [
+    "DEVICES", "E4M3FN", "E5M2", "FLOAT32", "ApFixed", "DesignBar", "Device", "Directives",
+    "FpgaSimBackend", "Minifloat", "OpCost", "Report", "SimConfig", "ap_fixed", "configure",
+    "format_table", "parse_format",
+]

@@ -1,0 +1,114 @@
+"""Scaled dot-product attention as an HLS design: ``attention`` (grouped-query, causal).
+
+Per (batch, query head), a block of query rows at a time (DATAFLOW over the blocks):
+
+    qk:       S = Q · Kᵀ · scale          MAC array, K loop over D        (masked tiles skipped)
+    softmax:  m = max_j S, e = exp(S − m) on the visible keys, l = Σ_j e   (score rows on chip)
+    pv:       O = (e · V) · (1/l),  lse = m + ln l                         MAC array, K loop over Skv
+
+The score rows of a query block are held on chip (BRAM/URAM), so the softmax is exact rather
+than an online rescaling. A query that sees no key outputs zeros and lse = −∞.
+
+Backward (scores recomputed from lse): P = exp(S − lse), dV = Σ_group Pᵀ dO, dP = dO Vᵀ,
+dS = P ⊙ (dP − rowsum(P ⊙ dP)), dQ = dS K · scale, dK = Σ_group dSᵀ Q · scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kpt.kernels.attention import visible_pairs
+
+from ..hls import Buffer, Design, Loop, region
+from ..sim import Call, current, flops, matmul, zeros
+
+
+def _visible(sq, skv, causal):
+    """``[Sq, Skv]`` bool: may query i read key j (bottom-right aligned causal mask)."""
+    if not causal:
+        return torch.ones(sq, skv, dtype=torch.bool)
+    return torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + (skv - sq)
+
+
+def _grouped(a, q, k, v, causal, scale):
+    """Loaded q, k, v grouped ``[B, Hkv, G|1, S, D]``, the scores (declared wide) and the mask."""
+    batch, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    qg = a.load(q, "q").reshape(batch, hkv, hq // hkv, sq, d)
+    kg, vg = a.load(k, "k")[:, :, None], a.load(v, "v")[:, :, None]
+    s = a.cast(qg @ kg.mT * a.const(scale), "scores", a.wide)
+    return qg, kg, vg, s, _visible(sq, skv, causal)
+
+
+def attention_fwd(q, k, v, causal, scale):
+    a = current().arith
+    if k.shape[2] == 0:
+        return zeros(q), torch.full(q.shape[:3], -math.inf)
+    _, _, vg, s, visible = _grouped(a, q, k, v, causal, scale)
+    seen = visible.any(-1)
+    m = a.where(seen, a.where(visible, s, a.lowest).amax(-1), a.const(0.0))
+    # masked scores go to the bottom of the exp unit's domain, where it gives exactly 0
+    e = a.exp(a.where(visible, s - m[..., None], a.lowest))
+    total = e.sum(-1)
+    o = a.cast((e @ vg) * a.recip(a.where(seen, total, a.const(1.0)))[..., None], "o")
+    lse = a.out(a.cast(m + a.log(a.where(seen, total, a.const(1.0))), "lse", a.wide), torch.float32)
+    lse = torch.where(seen, lse, -math.inf).reshape(q.shape[:3])
+    return a.out(o, q.dtype).reshape(q.shape), lse
+
+
+def attention_bwd(q, k, v, causal, scale, o, lse, do):
+    a = current().arith
+    if k.shape[2] == 0:
+        return tuple(zeros(t) for t in (q, k, v))
+    qg, kg, vg, s, visible = _grouped(a, q, k, v, causal, scale)
+    lse_v = a.load(torch.where(torch.isfinite(lse), lse, 0.0).reshape(s.shape[:-1]), "lse", a.wide)
+    p = a.exp(a.where(visible, s - lse_v[..., None], a.lowest))
+    dog = a.load(do, "do").reshape(qg.shape)
+    summed = a.grown(qg.shape[2] * qg.shape[3])
+    dv = a.cast((p.mT @ dog).sum(2), "dv", summed)
+    dp = a.cast(dog @ vg.mT, "dp", a.wide)
+    ds = a.cast(p * (dp - (p * dp).sum(-1)[..., None]), "ds", a.wide)
+    dq = a.cast((ds @ kg) * a.const(scale), "dq")
+    dk = a.cast((ds.mT @ qg).sum(2) * a.const(scale), "dk", summed)
+    return (a.out(dq, q.dtype).reshape(q.shape), a.out(dk, k.dtype).reshape(k.shape),
+            a.out(dv, v.dtype).reshape(v.shape))
+
+
+def _shapes(q, k):
+    batch, hq, sq, d = q.shape
+    return batch * hq, sq, k.shape[2], d
+
+
+def attention_design(call: Call, q, k, v, causal, scale):
+    heads, sq, skv, d = _shapes(q, k)
+    seen = visible_pairs(sq, skv, causal) / max(sq * skv, 1)
+    qk, qk_bufs, qk_bytes, t = matmul(call, "qk", sq, skv, d, batch=heads, share=0.5, visible=seen)
+    pv, pv_bufs, pv_bytes, _ = matmul(call, "pv", sq, d, skv, batch=heads, share=0.5, visible=seen)
+    lanes = max(1, t.tm * t.tn // max(d, 1))
+    rows = heads * sq
+    softmax = [Loop("row max", math.ceil(seen * rows * skv / lanes), {"cmp": lanes}, ("cmp",)),
+               Loop("exp_sum", math.ceil(seen * rows * skv / lanes), {"add": 2 * lanes, "exp": lanes},
+                    ("add", "exp", "add")),
+               Loop("row unit", rows, {"recip": 1, "log": 1, "add": 1}, ("log", "add"))]
+    top = region("attention", [qk, *softmax, pv], dataflow=call.directives.dataflow)
+    scores = Buffer("score rows", call.data_bits + 4, t.bm * max(skv, 1), call.banks(lanes), 2)
+    traffic = qk_bytes + pv_bytes + call.io_bytes(q) + 4 * rows
+    return Design("attention", top, (*qk_bufs, *pv_bufs, scores), traffic,
+                  flops("attention", (q, k, v, causal, scale)))
+
+
+def attention_bwd_design(call: Call, q, k, v, causal, scale, *outputs_and_grads):
+    heads, sq, skv, d = _shapes(q, k)
+    seen = visible_pairs(sq, skv, causal) / max(sq * skv, 1)
+    stages, buffers, traffic = [], [], 0
+    for name, m, n, kk in (("qk", sq, skv, d), ("dv", skv, d, sq), ("dp", sq, skv, d),
+                           ("dq", sq, d, skv), ("dk", skv, d, sq)):
+        loop, bufs, nbytes, _ = matmul(call, name, m, n, kk, batch=heads, share=0.2, visible=seen)
+        stages.append(loop)
+        buffers += bufs
+        traffic += nbytes
+    traffic += call.io_bytes(q, k, v, q)
+    return Design("attention", region("attention backward", stages, dataflow=call.directives.dataflow),
+                  tuple(buffers), traffic, flops("attention", (q, k, v, causal, scale), 2.5))

@@ -1,0 +1,151 @@
+"""The backend: registration, configuration, both number modes on the kernels, reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kpt
+import kpt_fpga_sim
+from kpt.testing import check_backward, check_forward
+from kpt_fpga_sim import FpgaSimBackend, ap_fixed, configure
+from kpt_fpga_sim.config import from_environment
+
+FIXED = ap_fixed(16, 6, "RND", "SAT")
+
+
+@pytest.fixture(scope="module")
+def be() -> FpgaSimBackend:
+    return kpt.get_backend("fpga-sim")
+
+
+@pytest.fixture(scope="module")
+def fx(be) -> FpgaSimBackend:
+    return configure(be, format=FIXED)
+
+
+def test_registered_opt_in_with_every_kernel(be) -> None:
+    assert isinstance(be, FpgaSimBackend) and be.simulator and be.device_type == "cpu"
+    assert kpt.get_backend().name != "fpga-sim"
+    assert kpt.missing_kernels(be.kernels()) == []
+    assert be.config.describe() == "float32 on u250 at 300 MHz"
+
+
+def test_configure_returns_a_new_backend_with_its_own_ops(be) -> None:
+    other = configure(be, format="ap_fixed<12,4,RND_CONV,SAT_SYM>", device="xc7z020", clock_mhz=125,
+                      directives={"linear": {"reuse": 4}})
+    assert other is not be and other.op_namespace != be.op_namespace
+    assert other.config.format == ap_fixed(12, 4, "RND_CONV", "SAT_SYM")
+    assert (other.config.device.name, other.config.clock_mhz) == ("zynq7020", 125.0)
+    assert other.config.directives_for("linear").reuse == 4 and be.config.directives_for("linear").reuse == 1
+    assert other.conformance_profile == "fpga-sim-fixed" and be.conformance_profile == "fpga-sim"
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    assert other.linear(x, w).shape == (3, 5) and be.linear(x, w).shape == (3, 5)
+    assert configure(other, device="u280").config.clock_mhz == 300.0
+    for bad in ({"format": "ap_fixed<40,8>"}, {"device": "vu9p"}, {"clock_mhz": -1},
+                {"directives": {"linaer": {"reuse": 2}}}, {"directives": {"linear": {"reuse": 0}}},
+                {"directives": {"linear": {"pipeline": 2}}}):
+        with pytest.raises(ValueError):
+            configure(be, **bad)
+
+
+def test_environment_selects_the_configuration(monkeypatch) -> None:
+    monkeypatch.setenv("KPT_FPGA_SIM_FORMAT", "ap_fixed<16,6,RND,SAT>")
+    monkeypatch.setenv("KPT_FPGA_SIM_DEVICE", "u280")
+    monkeypatch.setenv("KPT_FPGA_SIM_CLOCK_MHZ", "250")
+    config = from_environment()
+    assert (config.format, config.device.name, config.clock_mhz) == (FIXED, "u280", 250.0)
+
+
+def _draw(spec_name: str, case_name: str, dtype: torch.dtype) -> dict:
+    spec = kpt.SPECS[spec_name]
+    case = next(c for c in spec.cases() if c.name == case_name)
+    return case.make(torch.Generator().manual_seed(torch.seed() % 2**31), dtype)
+
+
+FLOAT_CASES = [("rms_norm", "odd"), ("layer_norm", "strided"), ("softmax", "middle_dim"),
+               ("gelu", "tanh_wide"), ("swiglu", "odd"), ("rope", "odd"), ("attention", "prefill_chunk"),
+               ("linear", "odd"), ("cross_entropy", "label_smoothing"), ("linear_cross_entropy", "odd"),
+               ("moe_gating", "ties"), ("moe_dispatch", "odd"), ("grouped_linear", "odd"),
+               ("moe_combine", "odd"), ("quantize_fp8", "e5m2_row"), ("fp8_linear", "odd")]
+
+
+@pytest.mark.parametrize("kernel, case", FLOAT_CASES)
+def test_float32_mode_matches_the_oracle(be, kernel: str, case: str) -> None:
+    spec = kpt.SPECS[kernel]
+    for dtype in (torch.float32, torch.bfloat16):
+        args = _draw(kernel, case, dtype)
+        report = check_forward(be, spec, args, dtype)
+        assert report.ok, report.message
+        if spec.differentiable:
+            report = check_backward(be, spec, args, dtype, torch.Generator().manual_seed(1))
+            assert report.ok, report.message
+
+
+FIXED_CASES = [("rms_norm", "wide"), ("add_rms_norm", "odd"), ("layer_norm", "no_params"), ("gelu", "wide"),
+               ("silu", "odd"), ("geglu", "none_wide"), ("rope", "llama_gqa"), ("attention", "mqa"),
+               ("linear", "bias"), ("linear", "silu"), ("grouped_linear", "odd"), ("moe_combine", "odd")]
+
+
+@pytest.mark.parametrize("kernel, case", FIXED_CASES)
+def test_fixed_mode_within_the_format_tolerance(fx, kernel: str, case: str) -> None:
+    spec = kpt.SPECS[kernel]
+    args = _draw(kernel, case, torch.float32)
+    report = check_forward(fx, spec, args, torch.float32)
+    assert report.ok, report.message
+    assert fx.last_report.format == str(FIXED)
+    if spec.differentiable:
+        report = check_backward(fx, spec, args, torch.float32, torch.Generator().manual_seed(2))
+        assert report.ok, report.message
+
+
+def test_fixed_mode_really_quantizes(fx, be) -> None:
+    x = torch.randn(4, 64)
+    y = fx.silu(x)
+    assert torch.equal(y * 2**FIXED.f, torch.round(y * 2**FIXED.f))
+    assert not torch.equal(y, be.silu(x))
+
+
+def test_fixed_mode_takes_float32_activations_only(fx) -> None:
+    with pytest.raises(kpt.KernelNotSupportedError, match="float32 activations only"):
+        fx.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16))
+    # kernels that compute in their own formats take every dtype
+    weights, _ = fx.moe_gating(torch.randn(4, 8, dtype=torch.bfloat16), 2)
+    assert weights.dtype == torch.float32
+
+
+def test_fixed_tolerance_is_derived_from_the_format(fx, be) -> None:
+    tol = fx.tolerance("rms_norm", torch.float32)
+    assert tol is not None and "ap_fixed<16,6" in tol.reason and "2^-10" in tol.reason
+    coarse = configure(be, format=ap_fixed(12, 6, "TRN", "SAT")).tolerance("rms_norm", torch.float32)
+    assert coarse.atol > tol.atol
+    assert be.tolerance("rms_norm", torch.float32) is None
+    assert fx.tolerance("quantize_fp8", torch.float32) is None
+
+
+def test_overflows_are_counted_and_reported(fx) -> None:
+    fx.clear_reports()
+    y = fx.silu(torch.tensor([[1.0, 100.0, -100.0, 2.0]]))
+    report = fx.last_report
+    assert report.overflows == {"x": 2}
+    assert float(y[0, 1]) == pytest.approx(32.0, abs=2 * FIXED.lsb)
+    assert "x: 2" in fx.report_table()
+
+
+def test_every_call_is_reported(be) -> None:
+    be.clear_reports()
+    x = torch.randn(8, 32, requires_grad=True)
+    be.rms_norm(x, torch.ones(32)).sum().backward()
+    assert [(r.kernel, r.direction) for r in be.reports] == [("rms_norm", "forward"),
+                                                             ("rms_norm", "backward")]
+    r = be.reports[0]
+    assert r.cycles > 0 and r.latency_us == pytest.approx(r.cycles / 300.0)
+    assert r.fits and 0 < r.utilization["dsp"] < 0.8 and r.gflops > 0
+    table = be.report_table()
+    assert "rms_norm" in table and "u250 @ 300 MHz, float32" in table
+    assert set(r.as_dict()) >= {"cycles", "ii", "dsp", "bram18", "uram", "lut", "ff", "bound", "overflows"}
+
+
+def test_public_api() -> None:
+    assert kpt_fpga_sim.configure is configure
+    assert set(kpt_fpga_sim.DEVICES) == {"u250", "u280", "zynq7020"}
