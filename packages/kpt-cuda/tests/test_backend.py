@@ -120,3 +120,10 @@ def test_native_bodies_only_where_cupy_runs(monkeypatch):
     assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_cuda.moe"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_triton.moe"
+
+
+def test_interpreter_mode_is_never_selected_automatically() -> None:
+    if not device.interpreted():
+        pytest.skip("runs under TRITON_INTERPRET=1 (CI), where the backend simulates itself on the CPU")
+    assert kpt.reload_backends().get().name == "reference"
+    assert kpt.get_backend("cuda").device().type == "cpu"

@@ -72,6 +72,12 @@ class CudaBackend(kpt.Backend):
             for name, k in kpt.kernels_from(*KERNEL_MODULES, *native).items()
         }
 
+    @property
+    def simulator(self) -> bool:  # type: ignore[override]
+        """Under Triton's interpreter the backend is a CPU simulation of itself: usable when
+        named, never selected automatically."""
+        return device.interpreted()
+
     def device(self) -> torch.device:
         return torch.device("cpu") if device.interpreted() else torch.device("cuda")
 
