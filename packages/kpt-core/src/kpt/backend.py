@@ -9,6 +9,7 @@ calls the backend's custom op, which autograd differentiates and ``torch.compile
 
 from __future__ import annotations
 
+import abc
 import functools
 import re
 import types
@@ -45,7 +46,7 @@ class PerfBar:
     cases: str = "perf"
 
 
-class Backend:
+class Backend(abc.ABC):
     """Base class of every backend. Subclasses set the class attributes and implement `kernels`."""
 
     name: ClassVar[str]
@@ -63,9 +64,9 @@ class Backend:
         """``(True, "")`` when it can run on this machine, else ``(False, why not)``."""
         return True, ""
 
+    @abc.abstractmethod
     def kernels(self) -> Mapping[str, Kernel]:
         """The kernel bodies, by kernel name (see `kernels_from`)."""
-        raise NotImplementedError(f"backend {self.name!r} does not define kernels()")
 
     def device(self) -> torch.device:
         """The device the conformance suite puts this backend's inputs on."""
