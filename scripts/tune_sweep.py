@@ -40,7 +40,7 @@ def _inputs(kernel: str) -> tuple[list, tuple]:
     spec = kpt.SPECS[kernel]
     case = next(c for c in spec.cases() if c.perf)
     args = to_device(case.make(torch.Generator().manual_seed(0), torch.bfloat16), torch.device("cuda"))
-    values = list(spec.validate(spec.bind((), args), kpt.FLOAT_DTYPES).values())
+    values = spec.forward_values(spec.check((), args, kpt.FLOAT_DTYPES), False)
     outs = as_tuple(spec.forward(*values)) if spec.backward else ()
     grads = tuple(torch.randn_like(o) if o.is_floating_point() else None for o in outs[: len(spec.outputs)])
     return values, outs + grads

@@ -29,8 +29,7 @@ def _small_cases(spec: kpt.KernelSpec) -> list[kpt.Case]:
 
 
 def _forward_args(spec: kpt.KernelSpec, args: dict, needs_grad: bool) -> list:
-    values = list(spec.validate(spec.bind((), args), REF.dtypes).values())
-    return values + [needs_grad] if spec.needs_grad_arg else values
+    return spec.forward_values(spec.check((), args, REF.dtypes), needs_grad)
 
 
 @pytest.mark.parametrize("spec", DIFFERENTIABLE, ids=lambda s: s.name)
@@ -127,7 +126,7 @@ def test_unknown_argument_is_an_input_error() -> None:
 def test_cost_model(spec: kpt.KernelSpec) -> None:
     args = _first_nonempty(spec, torch.float32)
     outs = as_tuple(REF.call(spec.name, **args))
-    assert spec.flops(spec.validate(spec.bind((), args), REF.dtypes)) >= 0
+    assert spec.flops(spec.check((), args, REF.dtypes)) >= 0
     assert spec.min_bytes(args, outs) > 0
 
 

@@ -119,15 +119,13 @@ class Backend(abc.ABC):
     def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
         """Validate a call of ``kernel`` against its spec and run it on this backend."""
         spec = SPECS[kernel]
-        bound = spec.validate(spec.bind(args, kwargs), self.dtypes)
+        bound = spec.check(args, kwargs, self.dtypes)
         reason = self.unsupported(kernel, bound)
         if reason:
             raise KernelNotSupportedError(f"{kernel}: not supported by backend {self.name!r}: {reason}")
-        values = list(bound.values())
+        values = spec.forward_values(bound, spec.needs_grad_arg and _needs_grad(spec, bound))
         if not spec.differentiable:
             values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
-        elif spec.needs_grad_arg:
-            values.append(_needs_grad(spec, bound))
         out = as_tuple(self.bind()[kernel](*values))[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
 

@@ -130,9 +130,7 @@ def eager_call(spec: KernelSpec, backend: Backend) -> Callable[..., Any]:
     """torch eager: the contract's reference math as plain PyTorch ops (no custom op around it)."""
 
     def call(**kw: Any) -> Any:
-        values = list(spec.validate(spec.bind((), kw), backend.dtypes).values())
-        if spec.needs_grad_arg:
-            values.append(torch.is_grad_enabled())
+        values = spec.forward_values(spec.check((), kw, backend.dtypes), torch.is_grad_enabled())
         return as_tuple(spec.forward(*values))[: len(spec.outputs)]
 
     return call
@@ -209,10 +207,10 @@ def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, 
     library = library_call(spec.name) if "library" in compare_with and device.type == "cuda" else None
     if library is not None:
         result.library = library[0]
-        impls["library"] = lambda **kw: library[1](**spec.validate(spec.bind((), kw), backend.dtypes))
+        impls["library"] = lambda **kw: library[1](**spec.check((), kw, backend.dtypes))
     for name, call in impls.items():
         result.ms[name] = time_ms(_runner(call, spec, args, mode), device)
-    values = spec.validate(spec.bind((), args), backend.dtypes)
+    values = spec.check((), args, backend.dtypes)
     nbytes = spec.min_bytes(values, got)
     flops = spec.flops(values)
     if mode == "fwd+bwd":

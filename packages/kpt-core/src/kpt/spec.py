@@ -91,10 +91,6 @@ class KernelSpec:
         tensors = [v for v in args.values() if isinstance(v, torch.Tensor)]
         return nbytes(*tensors, *outputs[: len(self.outputs)])
 
-    @property
-    def arg_names(self) -> tuple[str, ...]:
-        return tuple(inspect.signature(self.signature).parameters)
-
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
         """Match a call to the public signature, defaults applied; a wrong call is a KernelInputError."""
         try:
@@ -103,6 +99,14 @@ class KernelSpec:
             raise KernelInputError(f"{self.name}: {exc}") from None
         bound.apply_defaults()
         return dict(bound.arguments)
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtypes: Sequence[torch.dtype]) -> Args:
+        """Bind a call and validate it: the arguments in the forward's order, normalized."""
+        return self.validate(self.bind(args, kwargs), dtypes)
+
+    def forward_values(self, checked: Args, needs_grad: bool) -> list[Any]:
+        """The forward's positional arguments: the checked ones, plus ``needs_grad`` if it takes it."""
+        return [*checked.values(), needs_grad] if self.needs_grad_arg else list(checked.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,10 +220,6 @@ ROW_SHAPES: dict[str, tuple[int, ...]] = {
     "long_row": (2, 4097),
 }
 """Shapes of the row-wise kernels' conformance cases: typical, then the odd sizes 1, 3, 17, 1000, 4097."""
-
-
-def numel(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() for t in tensors if t is not None)
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:

@@ -109,8 +109,7 @@ class FpgaSimBackend(Backend):
     def estimate(self, kernel: str, *args: Any, **kwargs: Any) -> Report:
         """The report of a forward call of ``kernel`` without running it (``meta`` tensors do)."""
         spec = SPECS[kernel]
-        bound = spec.validate(spec.bind(args, kwargs), self.dtypes)
-        values = list(bound.values()) + ([False] if spec.needs_grad_arg else [])
+        values = spec.forward_values(spec.check(args, kwargs, self.dtypes), False)
         call = Call(kernel, self.config)
         return self._report(call, kernel_modules.design_function(kernel, "forward")(call, *values),
                             "forward", {})
