@@ -24,13 +24,14 @@ ROW = {"tile_elems": [2048, 4096, 8192, 16384], "elems_per_warp": [256, 512, 102
 GRIDS: dict[str, dict[str, list]] = {
     "rms_norm_bwd": {**ROW, "programs_per_sm": [2, 4, 8, 16]},
     "layer_norm_bwd": {**ROW, "programs_per_sm": [2, 4, 8, 16]},
-    "softmax_fwd": ROW,
+    "softmax_fwd": {**ROW, "elems_per_warp": [512, 1024, 2048]},
+    "layer_norm_fwd": {**ROW, "elems_per_warp": [256, 512, 1024, 2048]},
     "softmax_bwd": ROW,
     "rope_fwd": ROW,
-    "cross_entropy_fwd": {"block_v": [4096, 8192, 16384, 32768], "elems_per_warp": [512, 1024, 2048]},
-    "cross_entropy_bwd": {"block_v": [4096, 8192, 16384, 32768], "elems_per_warp": [512, 1024, 2048]},
-    "quantize_fp8_fwd": {"tile_elems": [4096, 8192], "elems_per_warp": [256, 512, 1024]},
-    "moe_gating_fwd": {"tile_elems": [512, 1024, 2048, 4096], "num_warps": [1, 2, 4, 8]},
+    "cross_entropy_fwd": {"block_v": [8192, 16384, 32768], "elems_per_warp": [512, 1024, 2048],
+                          "programs_per_sm": [1, 2, 4, 8, 16]},
+    "quantize_fp8_fwd": {"tile_elems": [4096, 8192], "elems_per_warp": [512, 1024, 2048], "native_cast": [True]},
+    "moe_gating_fwd": {"tile_elems": [128, 256, 512, 1024], "num_warps": [1, 2, 4]},
 }
 MODULE = {"rms": "rms_norm", "layer": "layer_norm", "softmax": "softmax", "rope": "rope", "cross": "cross_entropy",
           "quantize": "fp8", "moe": "moe"}
@@ -40,7 +41,8 @@ def _inputs(kernel: str) -> tuple[list, tuple]:
     spec = kpt.SPECS[kernel]
     case = next(c for c in spec.cases() if c.perf)
     args = to_device(case.make(torch.Generator().manual_seed(0), torch.bfloat16), torch.device("cuda"))
-    values = spec.forward_values(spec.check((), args, kpt.FLOAT_DTYPES), False)
+    # as in training: a forward that can prepare gradients does
+    values = spec.forward_values(spec.check((), args, kpt.FLOAT_DTYPES), True)
     outs = as_tuple(spec.forward(*values)) if spec.backward else ()
     grads = tuple(torch.randn_like(o) if o.is_floating_point() else None for o in outs[: len(spec.outputs)])
     return values, outs + grads

@@ -103,15 +103,21 @@ def test_extreme_logits_stay_finite() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_dtypes_of_loss_and_lse(dtype: torch.dtype) -> None:
+def test_forward_prepares_the_gradient_and_backward_scales_it(dtype: torch.dtype) -> None:
     g = _gen()
     logits = torch.randn(8, 300, generator=g).to(dtype)
     target = _targets(g, 8, 300)
-    loss, lse = CE.forward(logits, target, -100, 0.0, "none")
-    assert loss.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (8,)
-    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), -1), rtol=1e-6, atol=1e-6)
-    (dlogits,) = CE.backward(logits, target, -100, 0.0, "none", loss, lse, torch.ones(8, dtype=dtype))
+    loss, empty = CE.forward(logits, target, -100, 0.0, "none", False)
+    assert loss.dtype == dtype and empty.numel() == 0
+    loss, dlogits = CE.forward(logits, target, -100, 0.0, "none", True)
+    expected = torch.softmax(logits.float(), -1) - F.one_hot(target.clamp(min=0), 300)
+    expected[target == -100] = 0
     assert dlogits.dtype == dtype and dlogits.is_contiguous()
+    torch.testing.assert_close(dlogits, expected.to(dtype))
+    dloss = torch.randn(8, generator=g).to(dtype)
+    (scaled,) = CE.backward(None, target, -100, 0.0, "none", True, loss, dlogits, dloss)
+    assert scaled.dtype == dtype
+    torch.testing.assert_close(scaled, (dlogits.float() * dloss.float()[:, None]).to(dtype))
 
 
 def test_transposed_logits_give_contiguous_gradients() -> None:

@@ -138,3 +138,32 @@ def test_every_spec_has_the_conformance_ingredients() -> None:
         assert spec.bad_inputs(), f"{spec.name}: no bad-input case"
         assert spec.signature.__doc__, f"{spec.name}: no docstring"
 
+
+
+def test_eager_and_compiled_paths_agree_and_reused_gradients_cannot_be_reused_twice() -> None:
+    """Eager calls skip the custom op, compiled ones trace it: same numbers. A gradient that the
+    forward prepared is scaled in place by the eager backward, so a second backward through the
+    same graph must raise instead of scaling it again."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 50, (6,), generator=g)
+    loss = REF.cross_entropy(logits, target)
+    (eager,) = torch.autograd.grad(loss * 3.0, logits, retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        torch.autograd.grad(loss, logits)
+    compiled = torch.compile(lambda x: REF.cross_entropy(x, target) * 3.0, backend="aot_eager", fullgraph=True)
+    (traced,) = torch.autograd.grad(compiled(logits), logits)
+    torch.testing.assert_close(eager, traced, rtol=0, atol=0)
+
+
+def test_inputs_the_backward_never_reads_are_not_kept() -> None:
+    import weakref
+
+    logits = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    view = logits * 1.0
+    alive = weakref.ref(view)
+    loss = REF.cross_entropy(view, torch.tensor([1, 2, 3, 4]))
+    del view
+    assert alive() is None, "cross_entropy's autograd node keeps its logits alive"
+    loss.backward()
+    assert logits.grad is not None

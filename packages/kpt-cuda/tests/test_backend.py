@@ -112,16 +112,6 @@ def test_calls_run_through_autograd(interpreted):
     assert x.grad is not None and w.grad is not None and x.grad.isfinite().all()
 
 
-def test_native_bodies_only_where_cupy_runs(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(backend.native_moe, "available", lambda: False)
-    assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_triton.moe"
-    monkeypatch.setattr(backend.native_moe, "available", lambda: True)
-    assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_cuda.moe"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert backend.CudaBackend().kernels()["moe_gating"].forward.body.__module__ == "kpt_triton.moe"
-
-
 def test_interpreter_mode_is_never_selected_automatically() -> None:
     if not device.interpreted():
         pytest.skip("runs under TRITON_INTERPRET=1 (CI), where the backend simulates itself on the CPU")

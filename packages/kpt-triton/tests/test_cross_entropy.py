@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from conftest import check_kernel
+from conftest import check_kernel, device
 from kpt.spec import randn, strided
 from kpt_triton import cross_entropy as k
 
@@ -38,19 +40,36 @@ CE_CASES = {
 
 
 @pytest.mark.parametrize("case", CE_CASES)
-def test_cross_entropy(dtype, case):
+@pytest.mark.parametrize("needs_grad", [True, False])
+def test_cross_entropy(dtype, case, needs_grad):
     g = torch.Generator().manual_seed(hash(case) % 2**31)
-    # small chunks so that the online logsumexp crosses several of them
-    kw = {"block_v": 16}
-    check_kernel("cross_entropy", lambda *a: k.cross_entropy_fwd(*a, **kw),
-                 lambda *a: k.cross_entropy_bwd(*a, **kw), _ce(g, dtype, **CE_CASES[case]), dtype,
-                 compare_saved=("lse",) if CE_CASES[case].get("v") else ())
+    # small chunks so that the online logsumexp crosses several of them; two programs, so that
+    # the persistent loop takes several rows
+    fwd = functools.partial(k.cross_entropy_fwd, block_v=16, programs_per_sm=1)
+    args = {**_ce(g, dtype, **CE_CASES[case]), "needs_grad": needs_grad}
+    check_kernel("cross_entropy", fwd, k.cross_entropy_bwd if needs_grad else None, args, dtype,
+                 compare_saved=("dlogits",) if needs_grad else ())
+
+
+@pytest.mark.parametrize("factor", ["one", "shared", "per_row"])
+def test_scale_rows_in_place(factor):
+    g = torch.Generator().manual_seed(5)
+    x = randn(g, 6, 37, dtype=torch.bfloat16).to(device())
+    before = x.clone()
+    f = {"one": torch.ones(()), "shared": torch.tensor(-0.3), "per_row": randn(g, 6, dtype=torch.float32)}[factor]
+    out = k.scale_rows_(x, f.to(device()), block=16, programs_per_sm=1)
+    assert out is x
+    expected = before.float() * (f[:, None] if f.dim() else f).to(device())
+    # one bfloat16 rounding of the float32 product (the interpreter's conversion truncates: 2^-7)
+    torch.testing.assert_close(x.float(), expected, rtol=2**-7, atol=0)
+    if factor == "one":
+        assert torch.equal(x, before)
 
 
 def test_out_of_range_target_is_nan():
     args = _ce(torch.Generator().manual_seed(1), torch.float32, 3, 8, ignored=0.0, reduction="none")
     args["target"][1] = 8
-    loss, _ = k.cross_entropy_fwd(*args.values())
+    loss, _ = k.cross_entropy_fwd(*args.values(), False)
     assert loss[1].isnan() and not loss[0].isnan() and not loss[2].isnan()
 
 

@@ -52,6 +52,8 @@ def test_gating_variants(dtype, variant):
         # small integers are exact in every dtype: ties must go to the lower expert
         logits = torch.randint(-2, 3, (40, 16), generator=g).to(dtype)
         logits[:4] = 0.0
+        # -0 and +0 are equal logits too
+        logits[4:8, ::2] = -0.0
     elif variant == "strided":
         logits = strided(randn(g, 33, 64, dtype=dtype))
     elif variant == "neg_inf":

@@ -4,7 +4,8 @@ A backend declares who it is (``name``, ``vendor``, ``device_type``, ``priority`
 it can run here (`Backend.is_available`) and supplies kernel bodies (`Backend.kernels`). Core
 gives every backend the same public methods, one per kernel of the contract
 (``backend.rms_norm(x, weight)``...): each validates its inputs with the kernel's spec, then
-calls the backend's custom op, which autograd differentiates and ``torch.compile`` traces.
+runs the backend's body: under ``torch.compile`` as the backend's custom op (see `kpt.ops`),
+in eager mode directly, through a ``torch.autograd.Function`` when a gradient is needed.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import re
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from .errors import BackendError, KernelNotSupportedError
 from .kernels import SPECS
-from .ops import Kernel, as_tuple, register_all
+from .ops import Kernel, as_tuple, eager_functions, register_all
 from .spec import FLOAT_DTYPES, KernelSpec
 from .tolerance import Tolerance
 
@@ -106,15 +107,15 @@ class Backend(abc.ABC):
     def bind(self) -> dict[str, Any]:
         """Register this backend's custom ops (once); `kpt.get_backend` does it before returning,
         so that a call inside ``torch.compile`` only traces the op."""
-        ops = self.__dict__.get("_ops")
-        if ops is None:
-            kernels = self.kernels()
-            missing = missing_kernels(kernels)
-            if missing:
-                raise BackendError(f"backend {self.name!r} is missing kernels: {', '.join(missing)}")
-            ops = register_all(self.op_namespace, kernels)
-            self.__dict__["_ops"] = ops
-        return ops
+        return self._bound.ops
+
+    @functools.cached_property
+    def _bound(self) -> _Bound:
+        kernels = self.kernels()
+        missing = missing_kernels(kernels)
+        if missing:
+            raise BackendError(f"backend {self.name!r} is missing kernels: {', '.join(missing)}")
+        return _Bound(kernels, register_all(self.op_namespace, kernels), eager_functions(kernels))
 
     def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
         """Validate a call of ``kernel`` against its spec and run it on this backend."""
@@ -123,15 +124,33 @@ class Backend(abc.ABC):
         reason = self.unsupported(kernel, bound)
         if reason:
             raise KernelNotSupportedError(f"{kernel}: not supported by backend {self.name!r}: {reason}")
-        values = spec.forward_values(bound, spec.needs_grad_arg and _needs_grad(spec, bound))
-        if not spec.differentiable:
-            values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
-        out = as_tuple(self.bind()[kernel](*values))[: len(spec.outputs)]
+        needs_grad = _needs_grad(spec, bound)
+        values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
+        bound_kernels = self._bound
+        if torch.compiler.is_compiling() or any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+            # one op for the compiler to trace (or to run its fake implementation on meta tensors)
+            if not spec.differentiable:
+                values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+            out = bound_kernels.ops[kernel](*values)
+        elif needs_grad:
+            out = bound_kernels.functions[kernel](*values)
+        else:
+            with torch.no_grad():
+                out = bound_kernels.kernels[kernel].forward(*values)
+        out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
 
 
+class _Bound(NamedTuple):
+    """A backend's kernel bodies, their custom ops and their eager autograd functions."""
+
+    kernels: Mapping[str, Kernel]
+    ops: dict[str, Any]
+    functions: dict[str, Callable[..., Any]]
+
+
 def _needs_grad(spec: KernelSpec, args: Mapping[str, Any]) -> bool:
-    return torch.is_grad_enabled() and any(
+    return bool(spec.differentiable) and torch.is_grad_enabled() and any(
         isinstance(args[n], torch.Tensor) and args[n].requires_grad for n in spec.differentiable
     )
 

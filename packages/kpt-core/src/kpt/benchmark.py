@@ -5,10 +5,11 @@
 For each kernel's perf case (the PERF.md shape) it times, on the backend's device, the backend,
 torch eager (the contract's reference math, run as plain PyTorch), torch.compile of the same math
 and the best library present (SDPA, cuBLAS, Liger-Kernel where installed), forward and
-forward+backward. It reports time, achieved GB/s or TFLOP/s from the spec's cost model, and the
-fraction of the ceilings measured in the same run (device-to-device copy bandwidth, bf16 matrix
-product). Every timing is gated on correctness: a backend result that disagrees with eager at the
-perf shape is reported as wrong, with no speed.
+forward+backward (random output gradients; 1 for a scalar loss, as ``loss.backward()`` gives).
+It reports time, achieved GB/s or TFLOP/s from the spec's cost model, and the fraction of the
+ceilings measured in the same run (device-to-device copy bandwidth, bf16 matrix product). Every
+timing is gated on correctness: a backend result that disagrees with eager at the perf shape is
+reported as wrong, with no speed.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _runner(call: Callable[..., Any], spec: KernelSpec, args: dict[str, Any], mo
     names = [n for n in spec.differentiable if isinstance(args[n], torch.Tensor)]
     leaves = {k: (v.detach().requires_grad_(True) if k in names else v) for k, v in args.items()}
     outs = [o for o in as_tuple(call(**leaves)) if o.requires_grad]
-    grads = [torch.randn_like(o) for o in outs]
+    # a scalar output is a loss: its gradient is 1, as in loss.backward()
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
 
     def run() -> Any:
         outs = [o for o in as_tuple(call(**leaves)) if o.requires_grad]

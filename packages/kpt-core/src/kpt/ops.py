@@ -7,6 +7,11 @@ For every kernel, core registers two ``torch.library`` custom ops in the backend
 * their fake (meta) implementations *are* the spec's reference math run on fake tensors, so
   ``torch.compile(fullgraph=True)`` traces any backend without graph breaks;
 * autograd is registered on the forward op and calls the backend's backward body.
+
+Dispatching a custom op costs tens of microseconds of Python per call, which a small kernel
+feels, so eager calls take a shorter road with the same bodies and the same autograd logic
+(`eager_functions`: a ``torch.autograd.Function`` per kernel); the ops are what
+``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ def forward_schema(spec: KernelSpec) -> str:
 
 
 def backward_schema(spec: KernelSpec) -> str:
-    params = _params(spec.forward)
+    names = list(inspect.signature(spec.forward).parameters)
+    # inputs the backward never reads come as None
+    params = [p.replace("Tensor ", "Tensor? ", 1) if name in spec.unsaved else p
+              for name, p in zip(names, _params(spec.forward))]
     params += [f"Tensor out_{name}" for name in spec.outputs + spec.saved]
     params += [f"Tensor? grad_{name}" for name in spec.outputs]
     n = len(spec.differentiable)
@@ -104,21 +112,41 @@ def _register(namespace: str, spec: KernelSpec) -> Any:
         return fwd
     assert spec.backward is not None
     n_grad = len(spec.differentiable)
+    # ops are functional: the backward body may overwrite its reusable inputs, so it gets copies
+    n_args = len(inspect.signature(spec.forward).parameters)
+    copied = [n_args + (spec.outputs + spec.saved).index(name) for name in spec.reusable]
+
+    def run_backward(*args: Any) -> Any:
+        args = tuple(a.clone() if i in copied else a for i, a in enumerate(args))
+        return _BODIES[namespace][spec.name].backward(*args)
+
     bwd = torch.library.custom_op(
-        f"{namespace}::{spec.name}_backward",
-        _tuple_body(lambda *a: _BODIES[namespace][spec.name].backward(*a), n_grad),
+        f"{namespace}::{spec.name}_backward", _tuple_body(run_backward, n_grad),
         mutates_args=(), schema=backward_schema(spec),
     )
     bwd.register_fake(_tuple_body(spec.backward, n_grad))
 
+    setup_context, backward = _autograd(spec, bwd)
+    fwd.register_autograd(backward, setup_context=setup_context)
+    return fwd
+
+
+def _autograd(spec: KernelSpec, run_backward: Callable[..., Any], overwrites: bool = False
+              ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(setup_context, backward)`` of ``spec`` for autograd; ``run_backward`` runs its backward
+    body, which ``overwrites`` the reusable saved outputs it is given (else it gets copies)."""
     names = list(inspect.signature(spec.forward).parameters)
-    tensor_pos = [i for i, name in enumerate(names) if _params(spec.forward)[i].startswith("Tensor")]
+    tensors = [i for i, name in enumerate(names) if _params(spec.forward)[i].startswith("Tensor")]
+    tensor_pos = [i for i in tensors if names[i] not in spec.unsaved]
     grad_pos = [names.index(name) for name in spec.differentiable]
+    reusable = [len(tensor_pos) + (spec.outputs + spec.saved).index(name) for name in spec.reusable]
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.save_for_backward(*(inputs[i] for i in tensor_pos), *as_tuple(output))
-        ctx.args = [None if i in tensor_pos else a for i, a in enumerate(inputs)]
+        ctx.args = [None if i in tensors else a for i, a in enumerate(inputs)]
         ctx.absent = [inputs[i] is None for i in grad_pos]
+        # the saved outputs get no gradient: None, not a tensor of zeros as large as them
+        ctx.set_materialize_grads(False)
 
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         saved = ctx.saved_tensors
@@ -126,7 +154,11 @@ def _register(namespace: str, spec: KernelSpec) -> Any:
         for k, i in enumerate(tensor_pos):
             args[i] = saved[k]
         outputs = saved[len(tensor_pos):]
-        results = as_tuple(bwd(*args, *outputs, *grads[: len(spec.outputs)]))
+        results = as_tuple(run_backward(*args, *outputs, *grads[: len(spec.outputs)]))
+        if overwrites:
+            # a second backward through this graph (retain_graph) must fail, not reuse them
+            for i in reusable:
+                torch.autograd.graph.increment_version(saved[i])
         if spec.grads is not None:
             results = spec.grads(results)
         input_grads: list[Any] = [None] * len(names)
@@ -134,5 +166,28 @@ def _register(namespace: str, spec: KernelSpec) -> Any:
             input_grads[i] = None if ctx.absent[k] else results[k]
         return tuple(input_grads)
 
-    fwd.register_autograd(backward, setup_context=setup_context)
-    return fwd
+    return setup_context, backward
+
+
+def eager_functions(kernels: Mapping[str, Kernel]) -> dict[str, Callable[..., Any]]:
+    """``Function.apply`` of every differentiable kernel: the same bodies and autograd as the ops,
+    without the custom-op dispatch."""
+    return {name: _function(spec, kernels[name]) for name, spec in SPECS.items() if spec.differentiable}
+
+
+def _function(spec: KernelSpec, kernel: Kernel) -> Callable[..., Any]:
+    setup, differentiate = _autograd(spec, kernel.backward, overwrites=True)
+
+    class Function(torch.autograd.Function):
+        # ctx in forward rather than a separate setup_context: ``apply`` then skips an
+        # ``inspect.signature`` of the forward on every call
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
+            out = as_tuple(kernel.forward(*args))
+            setup(ctx, args, out)
+            return out
+
+        backward = staticmethod(differentiate)
+
+    Function.__name__ = spec.name
+    return Function.apply

@@ -19,6 +19,7 @@ under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -85,16 +86,26 @@ class KernelSpec:
     grads: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
     """Maps the backward's results to one gradient per differentiable input, where two inputs
     share one gradient tensor (custom ops may not return the same tensor twice)."""
+    unsaved: tuple[str, ...] = ()
+    """Tensor inputs the backward never reads (what it needs, the forward saved): autograd does
+    not keep them alive, and the backward gets None in their place."""
+    reusable: tuple[str, ...] = ()
+    """Saved outputs the backward may overwrite and return as gradients (gradients the forward
+    prepared, which nothing else reads), so that scaling them costs no second tensor."""
 
     def min_bytes(self, args: Args, outputs: tuple[torch.Tensor, ...]) -> int:
         """Each tensor input read once and each public output written once."""
         tensors = [v for v in args.values() if isinstance(v, torch.Tensor)]
         return nbytes(*tensors, *outputs[: len(self.outputs)])
 
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self.signature)
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
         """Match a call to the public signature, defaults applied; a wrong call is a KernelInputError."""
         try:
-            bound = inspect.signature(self.signature).bind(*args, **kwargs)
+            bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise KernelInputError(f"{self.name}: {exc}") from None
         bound.apply_defaults()

@@ -15,6 +15,7 @@ types where an HLS design stores a value (``a.cast``) and reads results out (``a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from typing import Any
@@ -107,21 +108,12 @@ class FixedArith:
         (exact for the values the unit produced)."""
         f = self.tables["rsqrt"].f_out
         mant, e = torch.frexp(t.to(torch.float64))
-        raw = torch.round(torch.ldexp(mant, torch.tensor(float(f), dtype=torch.float64))).to(torch.int64)
+        raw = torch.round(torch.ldexp(mant, torch.tensor(float(f), dtype=torch.float64)))
         return Fx(raw, f + 2, 2, e.to(torch.int64))
 
     def const(self, c: float) -> Fx:
         """A synthesis-time constant: 18 significant bits (RND), trailing zero bits dropped."""
-        if c == 0:
-            return Fx(torch.tensor(0), 1, 1)
-        i = math.frexp(abs(c))[1] + 1
-        raw, _ = ApFixed(CONST_BITS, i, "RND", "SAT").from_float(torch.tensor(c, dtype=torch.float64))
-        n = int(raw)
-        zeros = (n & -n).bit_length() - 1
-        n >>= zeros
-        f = CONST_BITS - i - zeros
-        w = (n if n >= 0 else ~n).bit_length() + 1
-        return Fx(torch.tensor(n), w, w - f)
+        return _constant(c)
 
     def count(self, n: Tensor) -> Fx:
         """A runtime integer (a row count) as ``ap_fixed<33, 33>``."""
@@ -147,19 +139,27 @@ class FixedArith:
         return Fx(raw, fmt.w, fmt.i)
 
     def out(self, v: Fx, dtype: torch.dtype) -> Tensor:
+        if dtype == torch.float32 and v.w <= 24 and v.shift is None:
+            # exact in float32 from the start; + 0 reads a -0 (a product with 0) out as +0
+            return v.raw.to(dtype, memory_format=torch.contiguous_format, copy=True).mul_(v.lsb).add_(0.0)
         return v.to_float().to(dtype=dtype, memory_format=torch.contiguous_format)
 
     # -- function units -------------------------------------------------------------------
 
     def _table(self, name: str, v: Fx) -> Fx:
         table = self.tables[name]
+        out = table.output_format
+        if v.f <= table.f_in:
+            # nothing to round: the unit's clamp to its domain includes the input format's saturation
+            return Fx(table(v.aligned(v.f), v.f), out.w, out.i)
         # saturating at the table's input range is the function's own saturation, not an overflow
         x, _ = table.input_format.requantize(v.aligned(v.f), v.f - table.f_in)
-        return Fx(table(x), table.output_format.w, table.output_format.i)
+        return Fx(table(x), out.w, out.i)
 
     def exp(self, v: Fx) -> Fx:
         """``exp`` of arguments ≤ 0 (max-subtracted); a positive argument is an overflow."""
-        self._count("exp argument > 0", v.raw > 0)
+        if v.raw.numel() and bool(v.raw.max() > 0):
+            self._count("exp argument > 0", v.raw > 0)
         return self._table("exp", v)
 
     def sigmoid(self, v: Fx) -> Fx:
@@ -209,6 +209,21 @@ class FixedArith:
     where = staticmethod(fixed.where)
     maximum = staticmethod(fixed.maximum)
     cat = staticmethod(fixed.cat)
+
+
+@functools.lru_cache(maxsize=1024)
+def _constant(c: float) -> Fx:
+    """`FixedArith.const`, made once per value (an ``Fx`` is never written to)."""
+    if c == 0:
+        return Fx(torch.tensor(0), 1, 1)
+    i = math.frexp(abs(c))[1] + 1
+    raw, _ = ApFixed(CONST_BITS, i, "RND", "SAT").from_float(torch.tensor(c, dtype=torch.float64))
+    n = int(raw)
+    zeros = (n & -n).bit_length() - 1
+    n >>= zeros
+    f = CONST_BITS - i - zeros
+    w = (n if n >= 0 else ~n).bit_length() + 1
+    return Fx(torch.tensor(n), w, w - f)
 
 
 Arith = Float32Arith | FixedArith

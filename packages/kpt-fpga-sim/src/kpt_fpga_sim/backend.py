@@ -33,11 +33,6 @@ from .sim import FLOAT_ONLY, Call, running
 
 MAX_REPORTS = 10_000
 SLOWDOWN_BAR = 20
-FIXED_SLOWDOWN_BAR = 150
-"""Fixed point emulates every operator in int64 with its quantization and overflow logic: about
-a dozen tensor passes per declared type, where the float32 reference makes one per operator.
-Measured 9-36x the reference on an idle 2-core machine and up to 113x on a loaded one: the 20x
-goal holds in float32 mode only."""
 _instances = itertools.count()
 
 MATMUL_KERNELS = ("linear", "grouped_linear", "fp8_linear")
@@ -147,9 +142,8 @@ class FpgaSimBackend(Backend):
 
     def perf_bar(self, kernel: str) -> PerfBar:
         """Simulation speed against the reference backend on the conformance shapes: at most 20x
-        its time in float32 mode, 150x for a kernel computed in a fixed-point format."""
-        fixed = self.config.fixed and kernel not in FLOAT_ONLY
-        return PerfBar(min_speedup=1 / (FIXED_SLOWDOWN_BAR if fixed else SLOWDOWN_BAR), cases="conformance")
+        its time, in float32 and in fixed-point mode alike."""
+        return PerfBar(min_speedup=1 / SLOWDOWN_BAR, cases="conformance")
 
     def design_bar(self, kernel: str) -> DesignBar | None:
         """The II and roofline promise of ``kernel``'s default design (matrix products only)."""

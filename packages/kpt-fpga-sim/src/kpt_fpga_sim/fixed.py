@@ -1,7 +1,10 @@
 """`Fx`: a tensor of fixed-point values with the full-width typing of C++ ``ap_fixed`` arithmetic.
 
-An ``Fx`` holds int64 ``raw`` integers and a static type ``<w, i>`` (``f = w - i`` fractional
-bits); its value is ``raw · 2^-f``. Results keep every bit, as ``ap_fixed`` operators do:
+An ``Fx`` holds ``raw`` integers and a static type ``<w, i>`` (``f = w - i`` fractional bits); its
+value is ``raw · 2^-f``. The integers are float64 for a type of at most 53 bits, int64 beyond
+(`kpt_fpga_sim.formats.raw_dtype`): each operator converts its operands to the dtype of its
+result's type first, so every sum and product is exact. Results keep every bit, as ``ap_fixed``
+operators do:
 
     a + b, a - b : <max(Ia, Ib) + 1 + max(Fa, Fb), max(Ia, Ib) + 1>
     a * b        : <Wa + Wb, Ia + Ib>
@@ -17,9 +20,10 @@ operand to the fractional bits that still fit. The pseudo-float outputs of the n
 (reciprocal, rsqrt) carry a per-element power of two ``shift`` (value ``raw · 2^(shift - f)``);
 such a value may only be multiplied, cast or read out.
 
-Matrix products are exact: the integer operands go through float64 BLAS in limbs small enough
-that every partial sum is an integer below 2^53, so no rounding can happen, then recombine in
-int64 (the SIMD-friendly way to get an exact int64 GEMM on a CPU).
+Matrix products are exact: the integer operands go through float64 BLAS, in limbs small enough
+that every partial sum is an integer below 2^53 where the result is wider than that, so no
+rounding can happen, then recombine in int64 (the SIMD-friendly way to get an exact int64 GEMM
+on a CPU).
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .formats import ApFixed
+from .formats import EXACT_BITS, ApFixed, as_raw
 
 MAX_BITS = 64
-_EXACT_BITS = 53
+_ZERO = torch.zeros((), dtype=torch.float64)
 
 
 class FixedWidthError(ValueError):
@@ -60,7 +64,7 @@ class Fx:
 
     def __init__(self, raw: Tensor, w: int, i: int, shift: Tensor | None = None) -> None:
         check_width(w, i)
-        self.raw = raw
+        self.raw = as_raw(raw, w)
         self.w = w
         self.i = i
         self.shift = shift
@@ -68,6 +72,10 @@ class Fx:
     @property
     def f(self) -> int:
         return self.w - self.i
+
+    @property
+    def lsb(self) -> float:
+        return 2.0**-self.f
 
     @property
     def shape(self) -> torch.Size:
@@ -79,10 +87,10 @@ class Fx:
 
     def to_float(self) -> Tensor:
         """The exact values as float64 (exact while the raw integers have at most 53 bits)."""
-        e = torch.tensor(-self.f, dtype=torch.int64)
         if self.shift is not None:
-            e = e + self.shift
-        return torch.ldexp(self.raw.to(torch.float64), e.to(torch.float64))
+            return torch.ldexp(self.raw.to(torch.float64), (self.shift - self.f).to(torch.float64))
+        # 0 + raw · 2^-f: a float64 raw may hold -0 (a product with 0), read out as +0
+        return torch.add(_ZERO, self.raw.to(torch.float64), alpha=self.lsb)
 
     # -- shape operations (no arithmetic: the type is unchanged) ---------------------------
 
@@ -118,34 +126,40 @@ class Fx:
         if self.shift is not None:
             raise TypeError(f"{op} of a pseudo-float (normalized) value: cast it to a fixed type first")
 
-    def aligned(self, f: int) -> Tensor:
-        """Raw integers at ``f`` fractional bits (``f >= self.f``: appends zeros)."""
+    def aligned(self, f: int, w: int | None = None) -> Tensor:
+        """Raw integers at ``f`` fractional bits (``f >= self.f``: appends zeros), in the dtype of
+        a ``w``-bit type (default: just wide enough)."""
         self._plain("alignment")
-        return self.raw << (f - self.f) if f > self.f else self.raw
+        raw = as_raw(self.raw, self.w + f - self.f if w is None else w)
+        if f == self.f:
+            return raw
+        return raw * 2.0 ** (f - self.f) if raw.is_floating_point() else raw << (f - self.f)
 
     def __add__(self, other: Fx) -> Fx:
         a, b, w, i = _fit_sum(self, other)
-        return Fx(a.aligned(w - i) + b.aligned(w - i), w, i)
+        return Fx(a.aligned(w - i, w) + b.aligned(w - i, w), w, i)
 
     def __sub__(self, other: Fx) -> Fx:
         a, b, w, i = _fit_sum(self, other)
-        return Fx(a.aligned(w - i) - b.aligned(w - i), w, i)
+        return Fx(a.aligned(w - i, w) - b.aligned(w - i, w), w, i)
 
     def __neg__(self) -> Fx:
         self._plain("negation")
-        return Fx(-self.raw, self.w + 1, self.i + 1)
+        return Fx(-self.aligned(self.f, self.w + 1), self.w + 1, self.i + 1)
 
     def __mul__(self, other: Fx) -> Fx:
         a, b = _fit_product(self, other, MAX_BITS)
         shift = a.shift if b.shift is None else (b.shift if a.shift is None else a.shift + b.shift)
-        return Fx(a.raw * b.raw, a.w + b.w, a.i + b.i, shift)
+        w = a.w + b.w
+        return Fx(as_raw(a.raw, w) * as_raw(b.raw, w), w, a.i + b.i, shift)
 
     def sum(self, dim: int | Sequence[int], keepdim: bool = False) -> Fx:
         self._plain("accumulation")
         dims = [dim] if isinstance(dim, int) else list(dim)
         extra = bits_for(math.prod(self.raw.shape[d] for d in dims))
         v = declare(self, MAX_BITS - extra)
-        return Fx(v.raw.sum(dim, keepdim=keepdim), v.w + extra, v.i + extra)
+        # every partial sum is bounded by the total's type, so a float64 sum is exact too
+        return Fx(as_raw(v.raw, v.w + extra).sum(dim, keepdim=keepdim), v.w + extra, v.i + extra)
 
     def amax(self, dim: int, keepdim: bool = False) -> Fx:
         self._plain("max")
@@ -159,8 +173,8 @@ class Fx:
         return Fx(exact_matmul(a.raw, b.raw, a.w, b.w), a.w + b.w + extra, a.i + b.i + extra)
 
     def __gt__(self, other: Fx) -> Tensor:  # type: ignore[override]
-        f = max(self.f, other.f)
-        return self.aligned(f) > other.aligned(f)
+        w, i = common(self, other)
+        return self.aligned(w - i, w) > other.aligned(w - i, w)
 
 
 
@@ -204,32 +218,34 @@ def common(*values: Fx) -> tuple[int, int]:
 
 def where(cond: Tensor, a: Fx, b: Fx) -> Fx:
     w, i = common(a, b)
-    return Fx(torch.where(cond, a.aligned(w - i), b.aligned(w - i)), w, i)
+    return Fx(torch.where(cond, a.aligned(w - i, w), b.aligned(w - i, w)), w, i)
 
 
 def maximum(a: Fx, b: Fx) -> Fx:
     w, i = common(a, b)
-    return Fx(torch.maximum(a.aligned(w - i), b.aligned(w - i)), w, i)
+    return Fx(torch.maximum(a.aligned(w - i, w), b.aligned(w - i, w)), w, i)
 
 
 def cat(values: Sequence[Fx], dim: int) -> Fx:
     w, i = common(*values)
-    return Fx(torch.cat([v.aligned(w - i) for v in values], dim), w, i)
+    return Fx(torch.cat([v.aligned(w - i, w) for v in values], dim), w, i)
 
 
 def exact_matmul(a: Tensor, b: Tensor, wa: int, wb: int) -> Tensor:
-    """``a @ b`` of int64 tensors whose entries fit ``wa`` and ``wb`` signed bits, exactly.
+    """``a @ b`` of integer tensors whose entries fit ``wa`` and ``wb`` signed bits, exactly:
+    float64 (exact integers) when every partial sum fits 53 bits, else int64.
 
-    Each operand is cut into limbs (low limbs unsigned, the top one signed) so that a limb
-    product summed over K stays below 2^53; float64 BLAS then computes every partial product
-    exactly and the limbs recombine in int64.
+    Otherwise each operand is cut into limbs (low limbs unsigned, the top one signed) so that a
+    limb product summed over K stays below 2^53; float64 BLAS then computes every partial
+    product exactly and the limbs recombine in int64.
     """
     k = a.shape[-1]
-    budget = _EXACT_BITS - bits_for(k) - 1
+    budget = EXACT_BITS - bits_for(k) - 1
     if wa + wb - 1 <= budget:
-        return torch.matmul(a.to(torch.float64), b.to(torch.float64)).to(torch.int64)
+        return torch.matmul(a.to(torch.float64), b.to(torch.float64))
     if budget < 2:
         raise FixedWidthError(f"exact matmul with K={k} needs limbs below 1 bit")
+    a, b = a.to(torch.int64), b.to(torch.int64)
     la = min(wa, budget // 2)
     lb = min(wb, budget - la)
     out = torch.zeros(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),

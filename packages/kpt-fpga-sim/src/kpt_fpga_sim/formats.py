@@ -12,10 +12,12 @@ overflow (``O``) of the quantized integer ``q``:
        SAT_SYM clamp to ±(2^(W-1) - 1) · WRAP_SM wrap, then flip the bits when the sign the
        wrap produced differs from the first dropped bit (sign-magnitude wrap)
 
-Everything here is integer arithmetic on int64 tensors. A float input is split exactly into
-``mantissa · 2^exponent`` (`torch.frexp`, 53-bit mantissa); float32/16 inputs of moderate size
-take a shortcut through float64 steps that are exact for them (scaling by 2^F, floor,
-remainder). No float rounding ever happens.
+Raw integers are exact: a format of at most 53 bits keeps them in float64 tensors (every
+integer below 2^53 is a float64, and the operators the simulator uses on them -- sums, products,
+scaling by powers of two, floor, remainder -- are exact there, in one vectorized pass each); a
+wider format keeps them in int64 (`raw_dtype`). Quantizing a value is computing, exactly, the
+value in LSBs of the format (``raw · 2^-shift``, or a float input times ``2^F``), its floor and
+the dropped fraction. No float rounding ever happens.
 
 FP8 minifloats (`Minifloat`: ``e4m3fn``, ``e5m2``) round to nearest even and saturate.
 """
@@ -32,7 +34,20 @@ Q_MODES = ("RND", "RND_ZERO", "RND_MIN_INF", "RND_INF", "RND_CONV", "TRN", "TRN_
 O_MODES = ("SAT", "SAT_ZERO", "SAT_SYM", "WRAP", "WRAP_SM")
 MAX_WIDTH = 63
 """Widest format the int64 simulation quantizes into (the sign needs the 64th bit)."""
+EXACT_BITS = 53
+"""Widest integers float64 holds exactly (its significand)."""
 _NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def raw_dtype(w: int) -> torch.dtype:
+    """The dtype of the raw integers of a ``w``-bit type: float64 up to 53 bits, else int64."""
+    return torch.float64 if w <= EXACT_BITS else torch.int64
+
+
+def as_raw(t: Tensor, w: int) -> Tensor:
+    """The integers ``t`` in the `raw_dtype` of a ``w``-bit type (``t`` itself if they are)."""
+    dtype = raw_dtype(w)
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -110,18 +125,14 @@ class ApFixed:
         return self.to_float(raw)
 
     def from_float(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(raw, overflowed)`` for float input ``x``; NaN becomes 0 and counts as an overflow."""
-        if x.dtype in _NARROW_FLOATS:
-            # x · 2^F, its floor and the remainder are exact in float64 for these inputs below
-            # 2^52 (at most 24 significant bits, none below 2^-149): the common case, cheaply
-            scale = torch.tensor(float(self.f), dtype=torch.float64)
-            scaled = torch.ldexp(x.detach().to(torch.float64), scale)
-            low, high = torch.aminmax(scaled) if scaled.numel() else (scaled.new_zeros(()),) * 2
-            if bool(low > -(2.0**52)) and bool(high < 2.0**52):
-                floor = torch.floor(scaled)
-                whole = floor.to(torch.int64)
-                neg = scaled < 0
-                return self._saturate(self._rounded(whole, scaled - floor, 0.5, neg), whole, neg)
+        """``(raw, overflowed)`` for float input ``x`` (as `requantize`); NaN becomes 0 and counts
+        as an overflow."""
+        y = x.detach().to(torch.float64, copy=True).mul_(2.0**self.f)
+        low, high = _extremes(y)
+        # the common case: x · 2^F below 2^52 (NaN is not) and exact (no underflow: a float32
+        # source, or F >= 0); with at most 24 significant bits it has no bit below 2^-53 either
+        if -(2.0**52) < low and high < 2.0**52 and (self.f >= 0 or x.dtype in _NARROW_FLOATS):
+            return self._quantize(y, fine=x.dtype in _NARROW_FLOATS, extremes=(low, high))
         xd = x.detach().to(torch.float64)
         nan = torch.isnan(xd)
         # an infinity behaves as the largest double: it overflows every format the same way
@@ -129,20 +140,30 @@ class ApFixed:
         # x = mant · 2^exp exactly, mant in ±[0.5, 1): a 53-bit integer times 2^(exp - 53)
         m = torch.ldexp(mant, torch.full_like(exp, 53)).to(torch.int64)
         raw, over = self.requantize(m, 53 - exp.to(torch.int64) - self.f)
-        return raw, over | nan
+        return raw, over | nan if bool(nan.any()) else over
 
     def to_float(self, raw: Tensor) -> Tensor:
         """Exact float64 values of raw integers of this format."""
         return torch.ldexp(raw.to(torch.float64), torch.tensor(-self.f, dtype=torch.float64))
 
     def requantize(self, raw: Tensor, shift: Tensor | int) -> tuple[Tensor, Tensor]:
-        """Assign ``raw · 2^-shift`` (in LSBs of this format) to this format: ``(raw, overflowed)``.
+        """Assign ``raw · 2^-shift`` (in LSBs of this format) to this format: ``(raw, overflowed)``,
+        ``raw`` of `raw_dtype`, ``overflowed`` the mask of the overflowed elements, or a 0-dim
+        False when there is none (counting it then costs no pass over the data).
 
-        ``shift > 0`` drops bits (quantization mode), ``shift < 0`` appends zeros; ``shift`` may
-        be a tensor (one shift per element, as a normalizing shifter has; then the raw integers
-        have at most 53 significant bits where the shift exceeds 62).
+        ``raw`` holds integers: float64 ones below 2^53, or int64. ``shift > 0`` drops bits
+        (quantization mode), ``shift < 0`` appends zeros; ``shift`` may be a tensor (one shift
+        per element, as a normalizing shifter has; then int64 raw integers have at most 53
+        significant bits where the shift exceeds 62).
         """
-        raw = raw.to(torch.int64)
+        if raw.is_floating_point():
+            # raw · 2^-shift is exact in float64 (a power of two only moves the exponent)
+            if isinstance(shift, int):
+                # an integral value is never written to: it may be ``raw`` itself
+                y = raw if shift == 0 else raw * 2.0**-shift
+                return self._quantize(y, integral=shift <= 0, fine=shift <= EXACT_BITS - 1)
+            most = shift.max().item() if shift.numel() else 0
+            return self._quantize(torch.ldexp(raw, (-shift).to(torch.float64)), fine=most <= EXACT_BITS - 1)
         neg = raw < 0
         if isinstance(shift, Tensor):
             least, most = (int(v) for v in torch.aminmax(shift)) if shift.numel() else (0, 0)
@@ -171,6 +192,22 @@ class ApFixed:
         dropped = torch.where(left >= 63, torch.zeros_like(floor), floor << left)
         return self._saturate(shifted, dropped, neg, huge)
 
+    def _quantize(self, y: Tensor, integral: bool = False, fine: bool = False,
+                  extremes: tuple[float, float] | None = None) -> tuple[Tensor, Tensor]:
+        """The value ``y`` (float64, exact, in LSBs of this format; a temporary, rounded in place)
+        assigned to this format. ``integral``: ``y`` holds integers; ``fine``: ``y`` has no bit
+        below 2^-53, so that ``y + ½`` is exact below 2^52; ``extremes``: y's, when known."""
+        low, high = extremes or _extremes(y)
+        bounds = (low - 1, high + 1)      # rounding moves a value by less than 1
+        if integral:
+            return self._saturate(y, y, bounds=bounds)
+        if fine and -(2.0**52) < low and high < 2.0**52 and self.q == "RND" and self.o != "WRAP_SM":
+            return self._saturate(y.add_(0.5).floor_(), None, bounds=bounds)
+        floor = torch.floor(y)
+        if self.q == "TRN":
+            return self._saturate(floor, floor, bounds=bounds)
+        return self._saturate(self._rounded(floor, y - floor, 0.5, y < 0), floor, bounds=bounds)
+
     def _rounded(self, floor: Tensor, rem: Tensor, half: Tensor | float, neg: Tensor) -> Tensor:
         """``floor`` plus the quantization mode's increment: ``rem`` is the dropped part (in the
         units where ½ LSB is ``half``), ``neg`` the sign of the value."""
@@ -188,42 +225,64 @@ class ApFixed:
         elif q == "RND_INF":
             inc = torch.where(neg, rem > half, rem >= half)
         else:  # RND_CONV: ties to even
-            inc = (rem > half) | ((rem == half) & ((floor & 1) == 1))
-        return floor + inc
+            inc = (rem > half) | ((rem == half) & (_floor_shift(floor, 0, 1) == 1))
+        return floor + inc.to(floor.dtype)
 
-    def _saturate(self, q: Tensor, floor: Tensor, neg: Tensor,
-                  huge: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _saturate(self, q: Tensor, floor: Tensor | None, neg: Tensor | None = None,
+                  huge: Tensor | None = None, bounds: tuple[float, float] | None = None) -> tuple[Tensor, Tensor]:
         """The overflow mode applied to the quantized integers ``q`` (``floor``: before the
-        rounding increment; ``huge``: values known to lie beyond int64)."""
-        lo, hi = self.min_raw, self.max_raw
-        low, high = torch.aminmax(q) if q.numel() else (lo + 1, hi)
-        if huge is None and lo < low and high <= hi:
-            return q, torch.zeros(q.shape, dtype=torch.bool)
-        over = (q > hi) | (q < lo)
+        rounding increment, needed by WRAP_SM; ``neg``: the sign of the values, by default that
+        of ``q``; ``huge``: values known to lie beyond int64; ``bounds``: known bounds of ``q``),
+        in this format's `raw_dtype`."""
+        lo, hi, dtype = self.min_raw, self.max_raw, raw_dtype(self.w)
+        low, high = bounds or _extremes(q)
+        # Python compares its floats and ints exactly
+        if lo < low and high <= hi and (huge is None or not bool(huge.any())):
+            return as_raw(q, self.w), torch.zeros((), dtype=torch.bool)
+        over = (q >= -lo) | (q < lo)
         if huge is not None:
             over = over | huge
         if self.o == "SAT_SYM":
             over = over | (q == lo)
+        neg = q < 0 if neg is None else neg
         if self.o == "SAT":
             out = torch.where(neg, lo, hi)
         elif self.o == "SAT_SYM":
             out = torch.where(neg, -hi, hi)
         elif self.o == "SAT_ZERO":
-            out = torch.zeros_like(q)
+            out = torch.zeros(q.shape, dtype=dtype)
         else:
-            out = self._wrap(q)
+            out = self._wrap(q).to(dtype)
             if self.o == "WRAP_SM":
                 # the first dropped bit, taken before the rounding increment (as ap_fixed does)
-                ld = ((floor >> self.w) & 1).to(torch.bool)
+                ld = _floor_shift(floor, self.w, 1) == 1
                 flip = ld != (out < 0)
-                mag = (~out) & hi
-                out = torch.where(flip, mag - ld.to(torch.int64) * (hi + 1), out)
-        return torch.where(over, out, q), over
+                mag = torch.remainder(-out - 1, hi + 1)      # (~out) & hi
+                out = torch.where(flip, torch.where(ld, mag - (hi + 1), mag), out)
+        return torch.where(over, out.to(dtype), torch.where(over, 0, q).to(dtype)), over
 
     def _wrap(self, q: Tensor) -> Tensor:
         """The low ``w`` bits of ``q`` read as a signed number."""
-        half = 1 << (self.w - 1)
-        return ((q + half) & ((1 << self.w) - 1)) - half
+        if not q.is_floating_point():
+            half = 1 << (self.w - 1)
+            return ((q + half) & ((1 << self.w) - 1)) - half
+        # exact for any float64, even one too large for ``q + 2^(w-1)`` to be exact
+        low = torch.remainder(q, 2.0**self.w)
+        return torch.where(low >= 2.0 ** (self.w - 1), low - 2.0**self.w, low)
+
+
+def _extremes(t: Tensor) -> tuple[float, float]:
+    """The least and the largest element of ``t`` (NaN if it holds one; 0 for an empty one)."""
+    if not t.numel():
+        return 0.0, 0.0
+    low, high = torch.aminmax(t)
+    return low.item(), high.item()
+
+
+def _floor_shift(t: Tensor, k: int, bits: int) -> Tensor:
+    """The ``bits`` bits of the integers ``t`` from bit ``k`` up: ``floor(t / 2^k) mod 2^bits``."""
+    shifted = t >> k if not t.is_floating_point() else torch.floor(t * 2.0**-k)
+    return torch.remainder(shifted, 1 << bits)
 
 
 def ap_fixed(w: int, i: int, q: str = "TRN", o: str = "WRAP") -> ApFixed:

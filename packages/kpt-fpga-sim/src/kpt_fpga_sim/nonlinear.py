@@ -40,8 +40,11 @@ from .formats import ApFixed
 GUARD_BITS = 4
 """Fractional bits the function units keep beyond the data format (F_out = F + 4)."""
 
-_EXHAUSTIVE_LIMIT = 1 << 20
-"""Above this many input codes the error is measured on an evenly strided subset."""
+_ENUMERABLE = 1 << 20
+"""Input codes of a unit whose every output is precomputed (its ROM of results, one lookup per
+argument instead of the interpolation's dozen tensor passes) and whose error is measured on
+every code; above this many, the unit interpolates and its error is measured on an evenly
+strided subset."""
 
 
 def _pow2(x: float) -> int:
@@ -135,9 +138,28 @@ class Table:
         width = int(c0.abs().max()).bit_length() + int(c1.abs().max()).bit_length() + 2
         return self.entries * width
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """Output raw integers for input raw integers ``x`` (at ``f_in`` bits), clamped to the domain."""
-        u = x.clamp(self.lo << self.f_in, self.hi << self.f_in) - (self.lo << self.f_in)
+    @property
+    def codes(self) -> int:
+        """Input codes of the domain."""
+        return ((self.hi - self.lo) << self.f_in) + 1
+
+    @functools.cached_property
+    def results(self) -> Tensor | None:
+        """The unit's output for every input code (`_ENUMERABLE` codes at most, else None)."""
+        return self._interpolate(torch.arange(self.codes)) if self.codes <= _ENUMERABLE else None
+
+    def __call__(self, x: Tensor, f: int | None = None) -> Tensor:
+        """Output raw integers for input raw integers ``x`` at ``f <= f_in`` fractional bits
+        (default ``f_in``: the input format's), clamped to the domain."""
+        first = self.lo << self.f_in
+        u = x.to(torch.int64, copy=True)
+        if f is not None and f < self.f_in:
+            u <<= self.f_in - f
+        u = u.clamp_(first, self.hi << self.f_in).sub_(first)
+        return self._interpolate(u) if self.results is None else torch.take(self.results, u)
+
+    def _interpolate(self, u: Tensor) -> Tensor:
+        """The unit's arithmetic on int64 offsets ``u`` from the start of the domain."""
         k = u >> self.t_bits
         t = u & ((1 << self.t_bits) - 1)
         c0, c1 = self.coefficients
@@ -149,7 +171,7 @@ class Table:
     def max_error(self) -> float:
         """The largest |table − fn| over the table's input grid (every code up to 2^20, else strided)."""
         first, last = self.lo << self.f_in, self.hi << self.f_in
-        step = max(1, (last - first + 1) // _EXHAUSTIVE_LIMIT)
+        step = max(1, self.codes // _ENUMERABLE)
         codes = torch.arange(first, last + 1, step, dtype=torch.int64)
         got = torch.ldexp(self(codes).to(torch.float64), torch.tensor(float(-self.f_out)))
         want = _ref(self.name)(torch.ldexp(codes.to(torch.float64), torch.tensor(float(-self.f_in))))
@@ -182,10 +204,9 @@ def tables_for(f_data: int) -> dict[str, Table]:
 
 
 def bit_length(x: Tensor) -> Tensor:
-    """Bits of the non-negative int64 ``x`` (0 for 0): a leading-one detector, by halving."""
-    n = torch.zeros_like(x)
-    for step in (32, 16, 8, 4, 2, 1):
-        high = (x >> step) > 0
-        x = torch.where(high, x >> step, x)
-        n = n + high.to(torch.int64) * step
-    return n + (x > 0).to(torch.int64)
+    """Bits of the non-negative integers ``x`` (0 for 0), as int64: a leading-one detector."""
+    n = torch.frexp(x.to(torch.float64))[1].to(torch.int64)      # x = m · 2^n, m in [0.5, 1)
+    if x.is_floating_point():
+        return n
+    # an int64 above 2^53 may round up to the next power of two on its way to float64
+    return torch.where((x > 0) & ((x >> (n - 1).clamp_min(0)) == 0), n - 1, n)

@@ -236,9 +236,12 @@ def matmul(call: Call, name: str, m: int, n: int, k: int, *, batch: int = 1, mac
 def flops(kernel: str, args: Sequence[Any], factor: float = 1.0) -> float:
     """The spec's flop count of a forward call with positional ``args`` (times ``factor``: a
     backward counts as twice its forward, the two matrix products of each forward one)."""
-    spec = SPECS[kernel]
-    names = inspect.signature(spec.forward).parameters
-    return factor * spec.flops(dict(zip(names, args)))
+    return factor * SPECS[kernel].flops(dict(zip(_forward_names(kernel), args)))
+
+
+@functools.cache
+def _forward_names(kernel: str) -> tuple[str, ...]:
+    return tuple(inspect.signature(SPECS[kernel].forward).parameters)
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,19 @@ For one row of logits z ∈ ℝ^V with target t (rows with t = ignore_index give
 where g is the gradient reaching the row's loss (g/n_kept for "mean"). One kernel does both
 halves: pass 1 reads the row once, keeping a running maximum m and a running sum rescaled
 whenever m grows (``s ← s · exp(m − m') + Σ exp(z − m')``), so no float32 ``[N, V]`` copy is
-ever made; pass 2 (the backward, or the fused gradient) reads the row again and writes dz.
+ever made; pass 2 reads the row again and writes dz. ``cross_entropy`` runs both in its
+forward when a gradient is wanted (dz for an upstream gradient of 1); its backward only scales
+dz in place (`scale_rows_`), and does nothing at all when the upstream gradient is 1, the
+``loss.backward()`` of a mean loss. The grid is persistent, a few programs per multiprocessor,
+so that the rows in flight stay few enough for pass 2 to find its row still in the L2 cache.
 
 ``linear_cross_entropy`` works through chunks of rows of z = hidden · weightᵀ (+ bias, added
 in float32 inside the kernel). Each chunk's float32 logits come from one GEMM into a reused
 buffer and the kernel writes dz into a second one; for "mean"/"sum" with gradients wanted the
 forward then runs the two gradient GEMMs on that chunk (dhidden = dz · weight, dweight +=
-dzᵀ · hidden), so the whole loss costs three GEMMs and the ``[N, V]`` logits never exist. For
-"none" the forward keeps lse and the backward recomputes each chunk's logits.
+dzᵀ · hidden), so the whole loss costs three GEMMs and the ``[N, V]`` logits never exist; the
+backward scales those gradients in place. For "none" the forward keeps lse and the backward
+recomputes each chunk's logits.
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import warps
+from .tiling import persistent_programs, warps
 
 
 @triton.jit
 def _cross_entropy_kernel(
     Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ,  # BIAS only with HAS_BIAS; DZ (contiguous) may be Z
-    V,
+    N, V,
     stride_zn, stride_zv, stride_g, stride_dzn,  # stride_g is 0 for one gradient shared by all rows
     ignore_index,
     label_smoothing,
@@ -43,7 +48,18 @@ def _cross_entropy_kernel(
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        _cross_entropy_row(Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, tl.cast(row, tl.int64), V, stride_zn, stride_zv,
+                           stride_g, stride_dzn, ignore_index, label_smoothing, HAS_BIAS, SMOOTHING,
+                           COMPUTE_LSE, WRITE_LOSS, WRITE_GRAD, BLOCK_V)
+
+
+@triton.jit
+def _cross_entropy_row(
+    Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, row, V, stride_zn, stride_zv, stride_g, stride_dzn, ignore_index,
+    label_smoothing, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr, COMPUTE_LSE: tl.constexpr,
+    WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
     z_row = Z + row * stride_zn
     target = tl.load(TARGET + row)
     kept = target != ignore_index
@@ -55,7 +71,9 @@ def _cross_entropy_kernel(
         z_sum = 0.0
         for c in range(0, V, BLOCK_V):
             mask = c + cols < V
-            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf")).to(tl.float32)
+            # kept in L2 for pass 2 where it fits
+            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf"),
+                        eviction_policy="evict_last").to(tl.float32)
             if HAS_BIAS:
                 z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
             m_new = tl.maximum(m, tl.max(z, axis=0))
@@ -81,18 +99,22 @@ def _cross_entropy_kernel(
 
     if WRITE_GRAD:
         g = tl.where(kept, tl.load(GRAD + row * stride_g).to(tl.float32), 0.0)
-        for c in range(0, V, BLOCK_V):
+        # last chunk first: the chunks pass 1 read last are the likeliest still in L2
+        for c_rev in range(0, V, BLOCK_V):
+            c = (tl.cdiv(V, BLOCK_V) - 1) * BLOCK_V - c_rev
             mask = c + cols < V
-            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
             if HAS_BIAS:
                 z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
             d = tl.exp(z - lse) - label_smoothing / V
             d -= tl.where(c + cols == target, 1.0 - label_smoothing, 0.0)
-            tl.store(DZ + row * stride_dzn + c + cols, (g * d).to(DZ.dtype.element_ty), mask=mask)
+            tl.store(DZ + row * stride_dzn + c + cols, (g * d).to(DZ.dtype.element_ty), mask=mask,
+                     eviction_policy="evict_first")
 
 
 def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *, compute_lse, write_loss,
-          block_v, elems_per_warp):
+          block_v, elems_per_warp, programs_per_sm):
     """Run the kernel over the rows of ``z``; ``grad`` (None: no gradient pass) is ``[N]`` or 0-dim."""
     n, v = z.shape
     if n == 0:
@@ -105,8 +127,8 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
             loss.zero_()
         return
     block = min(triton.next_power_of_2(v), block_v)
-    _cross_entropy_kernel[(n,)](
-        z, target, bias, grad, loss, lse, dz, v,
+    _cross_entropy_kernel[(persistent_programs(n, z.device, programs_per_sm),)](
+        z, target, bias, grad, loss, lse, dz, n, v,
         z.stride(0), z.stride(1), grad.stride(0) if grad is not None and grad.dim() else 0,
         dz.stride(0) if dz is not None else 0, ignore_index, label_smoothing,
         HAS_BIAS=bias is not None, SMOOTHING=label_smoothing > 0, COMPUTE_LSE=compute_lse,
@@ -135,26 +157,62 @@ def _row_grad(dloss, target, ignore_index, reduction):
     return g / _kept(target, ignore_index) if reduction == "mean" else g
 
 
-def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, *, block_v: int = 8192,
-                      elems_per_warp: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, lse)``. Tuning: the row is read in chunks of ``block_v`` logits, one warp per
-    ``elems_per_warp`` of a chunk."""
+@triton.jit
+def _scale_rows_kernel(X, G, R, D, stride_g, BLOCK_D: tl.constexpr):
+    """``X[r, :] *= G[r · stride_g]`` in place for a contiguous ``[R, D]`` X; a factor of 1 is
+    not applied at all (one shared factor of 1: no tile is visited)."""
+    col_blocks = tl.cdiv(D, BLOCK_D)
+    n_tiles = R * col_blocks
+    if stride_g == 0:
+        n_tiles = tl.where(tl.load(G).to(tl.float32) == 1.0, 0, n_tiles)
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        row = t // col_blocks
+        cols = (t % col_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+        g = tl.load(G + row * stride_g).to(tl.float32)
+        mask = (cols < D) & (tl.zeros([BLOCK_D], tl.float32) + g != 1.0)
+        ptrs = X + tl.cast(row, tl.int64) * D + cols
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, (x * g).to(X.dtype.element_ty), mask=mask)
+
+
+def scale_rows_(x, g, *, block: int = 8192, programs_per_sm: int = 4):
+    """``x`` (contiguous) times ``g`` in place, and returned: ``g`` one value (0-dim) or one per
+    row of ``x`` (``[x.shape[0]]``); products in float32, rounded to x's dtype."""
+    if x.numel():
+        x2 = x.view(1, -1) if g.dim() == 0 else x.view(x.shape[0], -1)
+        r, d = x2.shape
+        block_d = min(triton.next_power_of_2(d), block)
+        tiles = r * triton.cdiv(d, block_d)
+        _scale_rows_kernel[(persistent_programs(tiles, x.device, programs_per_sm),)](
+            x2, g, r, d, g.stride(0) if g.dim() else 0, BLOCK_D=block_d, num_warps=warps(block_d, 512))
+    return x
+
+
+def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, *,
+                      block_v: int = 8192, elems_per_warp: int = 512,
+                      programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, dlogits)``, ``dlogits`` empty without ``needs_grad``. Tuning: the row is read in
+    chunks of ``block_v`` logits, one warp per ``elems_per_warp`` of a chunk, ``programs_per_sm``
+    rows at a time per multiprocessor."""
     n = logits.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    _rows(logits, target, None, None, losses, lse, None, ignore_index, label_smoothing, compute_lse=True,
-          write_loss=True, block_v=block_v, elems_per_warp=elems_per_warp)
-    return _reduce(losses, target, ignore_index, reduction, logits.dtype), lse
+    # the gradient for an upstream gradient of 1: 1 per row ("none", "sum") or 1 / n_kept ("mean")
+    one = torch.ones((), dtype=torch.float32, device=logits.device)
+    unit = _row_grad(one, target, ignore_index, "sum" if reduction == "none" else reduction)
+    dlogits = torch.empty(logits.shape if needs_grad else (0,), dtype=logits.dtype, device=logits.device)
+    _rows(logits, target, None, unit if needs_grad else None, losses, lse, dlogits, ignore_index,
+          label_smoothing, compute_lse=True, write_loss=True, block_v=block_v, elems_per_warp=elems_per_warp,
+          programs_per_sm=programs_per_sm)
+    return _reduce(losses, target, ignore_index, reduction, logits.dtype), dlogits
 
 
-def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, loss, lse, dloss, *,
-                      block_v: int = 8192, elems_per_warp: int = 512) -> tuple[torch.Tensor]:
-    """``(dlogits,)``, written in one pass over the logits from the saved ``lse``."""
-    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _rows(logits, target, None, _row_grad(dloss, target, ignore_index, reduction), None, lse, dlogits,
-          ignore_index, label_smoothing, compute_lse=False, write_loss=False, block_v=block_v,
-          elems_per_warp=elems_per_warp)
-    return (dlogits,)
+def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, loss, dlogits,
+                      dloss) -> tuple[torch.Tensor]:
+    """``(dlogits · dloss,)``: the forward's gradient, scaled in place (``logits`` is None)."""
+    if dloss is None:
+        return (torch.zeros_like(dlogits),)
+    return (scale_rows_(dlogits, dloss),)
 
 
 def _logits(h, weight, out):
@@ -170,7 +228,7 @@ def _logits(h, weight, out):
 
 
 def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, chunk_elems, block_v,
-             elems_per_warp):
+             elems_per_warp, programs_per_sm):
     """One pass over chunks of rows of the logits: writes ``lse`` and ``losses`` when ``losses`` is
     given (else reads ``lse``), and with ``grad`` returns ``(dhidden, dweight, dbias)``."""
     n, k = hidden.shape
@@ -194,7 +252,7 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
         _rows(z, target[r], bias, grad[r] if grad is not None and grad.dim() else grad,
               losses[r] if losses is not None else None, lse[r], dz, ignore_index, 0.0,
               compute_lse=losses is not None, write_loss=losses is not None, block_v=block_v,
-              elems_per_warp=elems_per_warp)
+              elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)
         if grad is not None:
             torch.mm(dz, weight, out=dhidden[r])
             dweight.addmm_(dz.t(), h)
@@ -206,8 +264,8 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
 
 
 def linear_cross_entropy_fwd(
-    hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 27,
-    block_v: int = 8192, elems_per_warp: int = 512,
+    hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 26,
+    block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk (the
     only ``[rows, V]`` buffer held), ``block_v`` / ``elems_per_warp`` as for `cross_entropy_fwd`."""
@@ -217,21 +275,19 @@ def linear_cross_entropy_fwd(
     fused = needs_grad and reduction != "none"
     grad = _row_grad(torch.ones((), device=hidden.device), target, ignore_index, reduction) if fused else None
     grads = _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, chunk_elems=chunk_elems,
-                     block_v=block_v, elems_per_warp=elems_per_warp)
+                     block_v=block_v, elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)
     return (_reduce(losses, target, ignore_index, reduction, hidden.dtype),
             *(grads if grads is not None else (hidden.new_empty(0) for _ in range(3))), lse)
 
 
 def linear_cross_entropy_bwd(
     hidden, weight, target, bias, ignore_index, reduction, needs_grad, loss, dhidden, dweight, dbias, lse,
-    dloss, *, chunk_elems: int = 1 << 27, block_v: int = 8192, elems_per_warp: int = 512,
+    dloss, *, chunk_elems: int = 1 << 26, block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dhidden, dweight, dbias)``: the forward's gradients scaled by ``dloss`` when it made
-    them, else recomputed chunk by chunk from the saved ``lse``."""
+    """``(dhidden, dweight, dbias)``: the forward's gradients scaled in place by ``dloss`` when it
+    made them, else recomputed chunk by chunk from the saved ``lse``."""
     if needs_grad and reduction != "none":
-        # a 0-dim float32 factor keeps each result's dtype and multiplies in float32
-        g = dloss.to(torch.float32)
-        return dhidden * g, dweight * g, dbias * g
+        return tuple(scale_rows_(t, dloss) for t in (dhidden, dweight, dbias))
     return _chunked(hidden, weight, target, bias, ignore_index, lse, None,
                     _row_grad(dloss, target, ignore_index, reduction), chunk_elems=chunk_elems,
-                    block_v=block_v, elems_per_warp=elems_per_warp)
+                    block_v=block_v, elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)

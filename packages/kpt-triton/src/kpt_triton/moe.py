@@ -38,33 +38,55 @@ from .linear import DOT_FP32, dot, dot_precision
 
 
 @triton.jit
+def _order_bits(bits, BITS: tl.constexpr):
+    """Signed ``BITS``-bit float bits → integers ordered like the floats (−0 taken as +0, so
+    that the two tie); the map is its own inverse on the result."""
+    bits = tl.where(bits == -(1 << (BITS - 1)), 0, bits)
+    return bits ^ ((bits >> (BITS - 1)) & ((1 << (BITS - 1)) - 1))
+
+
+@triton.jit
 def _moe_gating_fwd_kernel(
     LOGITS, WEIGHTS, INDICES,  # WEIGHTS float32 and INDICES int32 are contiguous [T, K]
     T, E, stride_lt, stride_le,
-    K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    K: tl.constexpr, RENORMALIZE: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     kcols = tl.arange(0, BLOCK_K)
     row_ok = rows < T
-    logits = tl.load(LOGITS + rows[:, None].to(tl.int64) * stride_lt + cols[None, :] * stride_le,
-                     mask=row_ok[:, None] & (cols[None, :] < E), other=float("-inf")).to(tl.float32)
+    valid = row_ok[:, None] & (cols[None, :] < E)
+    raw = tl.load(LOGITS + rows[:, None].to(tl.int64) * stride_lt + cols[None, :] * stride_le,
+                  mask=valid, other=float("-inf"))
+    logits = raw.to(tl.float32)
     # padded rows (all -inf) get m = 0 and a unit denominator, so they stay NaN-free
     m = tl.where(row_ok, tl.max(logits, 1), 0.0)
     denom = tl.where(row_ok, tl.sum(tl.exp(logits - m[:, None]), 1), 1.0)
 
-    # Selection by logit: softmax is monotonic, and logits separate what rounds to equal probabilities.
-    free = (cols[None, :] < E) & row_ok[:, None]
+    # Selection by logit (softmax is monotonic, and logits separate what rounds to equal
+    # probabilities) through one integer key per logit: its order bits above the bits of
+    # BLOCK_E - 1 - column, so that one max per slot finds the largest logit, lowest column on
+    # ties, and gives both back. 16-bit logits fit with their column in 32 bits, float32 in 64.
+    low = BLOCK_E - 1 - cols[None, :]
+    if WIDE:
+        key = (_order_bits(logits.to(tl.int32, bitcast=True), 32).to(tl.int64) << 32) | low
+    else:
+        key = (_order_bits(raw.to(tl.int16, bitcast=True).to(tl.int32), 16) << 16) | low
+    taken = tl.full([BLOCK_T, BLOCK_E], -(1 << 63) if WIDE else -(1 << 31), key.dtype)
+    key = tl.where(valid, key, taken)
     top = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     top_idx = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for s in range(K):
-        best = tl.max(tl.where(free, logits, float("-inf")), 1)
-        # lowest free column holding the best value (also when the best is -inf)
-        hit = free & (logits == best[:, None])
-        idx = tl.min(tl.where(hit, cols[None, :], BLOCK_E), 1)
-        free = free & (cols[None, :] != idx[:, None])
-        top = tl.where(kcols[None, :] == s, tl.exp(best - m)[:, None], top)
+        best = tl.max(key, 1)
+        key = tl.where(key == best[:, None], taken, key)
+        idx = (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32)
+        if WIDE:
+            value = _order_bits((best >> 32).to(tl.int32), 32).to(tl.float32, bitcast=True)
+        else:
+            bits = _order_bits(best >> 16, 16).to(tl.int16)
+            value = bits.to(LOGITS.dtype.element_ty, bitcast=True).to(tl.float32)
+        top = tl.where(kcols[None, :] == s, tl.exp(value - m)[:, None], top)
         top_idx = tl.where(kcols[None, :] == s, idx[:, None], top_idx)
     if RENORMALIZE:
         top = top / tl.where(row_ok, tl.sum(top, 1), 1.0)[:, None]
@@ -310,8 +332,8 @@ def moe_gating_fwd(
     block_t, block_e = _row_block(E, tile_elems)
     _moe_gating_fwd_kernel[(triton.cdiv(T, block_t),)](
         logits, weights, indices, T, E, *logits.stride(),
-        K=k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-        num_warps=num_warps,
+        K=k, RENORMALIZE=renormalize, WIDE=logits.element_size() > 2,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps,
     )
     return weights, indices
 

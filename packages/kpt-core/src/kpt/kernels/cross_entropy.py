@@ -11,6 +11,10 @@ for sum, g_r·[r kept] for none):
 
     dz = g_r · (softmax(z) − (1 − ε) · onehot(t) − ε / V)
 
+When a gradient will be needed, the forward computes dz for an upstream gradient of 1 while it
+reads the logits (one pass over them instead of two more in the backward) and saves it in place of
+the logits; the backward only scales it by the upstream gradient.
+
 ``linear_cross_entropy`` applies this to z = hidden · weightᵀ + bias chunk of rows by chunk of rows,
 so that the ``[N, V]`` logits are never held. With Z the logits of a chunk H of hidden rows:
 
@@ -62,7 +66,8 @@ def cross_entropy(
     never NaN, when every row is ignored), ``"sum"`` or ``"none"``. A target outside ``[0, V)`` that
     is not ``ignore_index`` is undefined behavior (it is never read back to the host to check).
     ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
-    logits' dtype. Differentiable with respect to ``logits``.
+    logits' dtype. Differentiable with respect to ``logits``: the gradient is computed during the
+    forward pass (it takes the memory of the logits until the backward).
     """
     raise AssertionError("signature only: call backend.cross_entropy")
 
@@ -157,25 +162,37 @@ def _row_grads(dloss: Tensor, target: Tensor, ignore_index: int, reduction: str,
     return torch.where(target != ignore_index, g, 0)
 
 
+def _unit_grads(target: Tensor, ignore_index: int, reduction: str, ct: torch.dtype) -> Tensor:
+    """The gradient reaching each row's loss for an upstream gradient of 1 (one per row for "none")."""
+    one = torch.ones(target.shape if reduction == "none" else (), dtype=ct, device=target.device)
+    return _row_grads(one, target, ignore_index, reduction, ct)
+
+
 def cross_entropy_forward(
-    logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str
+    logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, needs_grad: bool
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(loss, lse)``; ``lse`` is ``[N]`` in float32 (float64 for float64 input)."""
-    z = logits.to(compute_dtype(logits.dtype))
+    """Returns ``(loss, dlogits)``: with ``needs_grad``, ``dlogits`` is the gradient for an upstream
+    gradient of 1 (1 per row for "none"), contiguous, in logits' dtype; otherwise it is empty."""
+    # contiguous: elementwise math would keep a transposed input's layout, and outputs must not
+    z = logits.to(compute_dtype(logits.dtype)).contiguous()
     lse = torch.logsumexp(z, -1)
     losses = _row_losses(z, target, ignore_index, label_smoothing, lse)
-    return _reduce(losses, target, ignore_index, reduction).to(logits.dtype), lse
+    loss = _reduce(losses, target, ignore_index, reduction).to(logits.dtype)
+    if not needs_grad:
+        return loss, logits.new_empty(0)
+    row_grad = _unit_grads(target, ignore_index, reduction, z.dtype)
+    return loss, _dlogits(z, target, lse, label_smoothing, row_grad).to(logits.dtype)
 
 
 def cross_entropy_backward(
-    logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
-    loss: Tensor, lse: Tensor, dloss: Optional[Tensor],
+    logits: Optional[Tensor], target: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
+    needs_grad: bool, loss: Tensor, dlogits: Tensor, dloss: Optional[Tensor],
 ) -> tuple[Tensor]:
-    """Returns ``(dlogits,)``, contiguous, in logits' dtype."""
-    # contiguous: elementwise math would keep a transposed input's layout, and outputs must not
-    z = logits.to(lse.dtype).contiguous()
-    row_grad = _row_grads(dloss, target, ignore_index, reduction, lse.dtype)
-    return (_dlogits(z, target, lse, label_smoothing, row_grad).to(logits.dtype),)
+    """Returns ``(dlogits · dloss,)`` (per row for "none"); ``logits`` is not read (None)."""
+    if dloss is None:
+        return (torch.zeros_like(dlogits),)
+    g = dloss.to(compute_dtype(dlogits.dtype))
+    return ((dlogits.to(g.dtype) * (g[:, None] if reduction == "none" else g)).to(dlogits.dtype),)
 
 
 def _chunked(
@@ -232,8 +249,7 @@ def linear_cross_entropy_forward(
     """
     ct = compute_dtype(hidden.dtype)
     fused = needs_grad and reduction != "none"
-    one = hidden.new_ones((), dtype=ct)
-    row_grad = _row_grads(one, target, ignore_index, reduction, ct) if fused else None
+    row_grad = _unit_grads(target, ignore_index, reduction, ct) if fused else None
     losses, lse, grads = _chunked(hidden, weight, bias, target, ignore_index, row_grad)
     loss = _reduce(losses, target, ignore_index, reduction).to(hidden.dtype)
     empty = (hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0))
@@ -397,8 +413,11 @@ CROSS_ENTROPY = KernelSpec(
     forward=cross_entropy_forward,
     backward=cross_entropy_backward,
     outputs=("loss",),
-    saved=("lse",),
+    saved=("dlogits",),
     differentiable=("logits",),
+    needs_grad_arg=True,
+    unsaved=("logits",),
+    reusable=("dlogits",),
     flops=_cross_entropy_flops,
     cases=_cross_entropy_cases,
     bad_inputs=_bad_inputs_ce,
@@ -414,6 +433,7 @@ LINEAR_CROSS_ENTROPY = KernelSpec(
     saved=("dhidden", "dweight", "dbias", "lse"),
     differentiable=("hidden", "weight", "bias"),
     needs_grad_arg=True,
+    reusable=("dhidden", "dweight", "dbias"),
     flops=_linear_cross_entropy_flops,
     cases=_linear_cross_entropy_cases,
     bad_inputs=_bad_inputs_lce,

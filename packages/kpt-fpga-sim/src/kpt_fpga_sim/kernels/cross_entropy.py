@@ -7,7 +7,9 @@ cross_entropy, for each row of logits (DATAFLOW over rows, ping-pong row buffer,
     row unit:  lse = m + ln s;  loss = lse − (1 − ε) z[t] − ε Σz / V   (ignored rows: 0)
     reduce:    Σ over rows, times 1/kept for "mean" (0 when every row is ignored)
 
-Backward: dz = g_r · (exp(z − lse) − (1 − ε) onehot(t) − ε / V), one pass per row.
+With a gradient wanted, a third pass over the row buffer writes dz = g_r · (exp(z − lse) −
+(1 − ε) onehot(t) − ε / V) for an upstream gradient of 1 (g_r = 1 or 1/kept; 0 on ignored rows),
+and the backward only streams dz through a multiplier by the upstream gradient.
 
 linear_cross_entropy streams chunks of rows: the logits of a chunk come from the MAC array
 (`kpt_fpga_sim.kernels.linear`), the row pipeline above consumes them, and for "mean"/"sum" with
@@ -79,21 +81,24 @@ def _dlogits(a, z, target, lse, smoothing):
     return a.cast(d, "dz", a.wide)
 
 
-def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction):
-    a = current().arith
-    lse, losses = _row_terms(a, a.load(logits, "logits"), target, ignore_index, label_smoothing)
-    loss = a.cast(_reduce(a, losses, target, ignore_index, reduction), "loss",
-                  _loss_format(a, reduction, target))
-    return a.out(loss, logits.dtype), a.out(lse, torch.float32)
-
-
-def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, loss, lse, dloss):
+def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad):
     a = current().arith
     z = a.load(logits, "logits")
-    d = _dlogits(a, z, target, a.load(lse, "lse", a.wide), label_smoothing)
-    g = a.load(dloss, "dloss") * _scale(a, target, ignore_index, reduction)
-    dz = a.cast(d * (g[:, None] if reduction == "none" else g), "dlogits")
-    return a.out(a.where((target != ignore_index)[:, None], dz, a.const(0.0)), logits.dtype)
+    lse, losses = _row_terms(a, z, target, ignore_index, label_smoothing)
+    loss = a.cast(_reduce(a, losses, target, ignore_index, reduction), "loss",
+                  _loss_format(a, reduction, target))
+    if not needs_grad:
+        return a.out(loss, logits.dtype), logits.new_empty(0)
+    d = _dlogits(a, z, target, lse, label_smoothing) * _scale(a, target, ignore_index, reduction)
+    dz = a.where((target != ignore_index)[:, None], a.cast(d, "dlogits"), a.const(0.0))
+    return a.out(loss, logits.dtype), a.out(dz, logits.dtype)
+
+
+def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, loss, dlogits, dloss):
+    a = current().arith
+    g = a.load(dloss, "dloss")
+    dz = a.cast(a.load(dlogits, "dlogits") * (g[:, None] if reduction == "none" else g), "dlogits")
+    return a.out(dz, dlogits.dtype)
 
 
 # -- linear_cross_entropy --------------------------------------------------------------------
@@ -183,20 +188,23 @@ _CE_PASSES = [Pass("max", {"cmp": 2, "add": 1}, ("cmp",), reduce="cmp"),
 _CE_ROW = ({"log": 1, "add": 3, "mul": 2}, ("log", "add", "mul", "add"))
 
 
-def cross_entropy_design(call: Call, logits, target, ignore_index, label_smoothing, reduction):
+def cross_entropy_design(call: Call, logits, target, ignore_index, label_smoothing, reduction, needs_grad):
     n, v = logits.shape
+    passes = _CE_PASSES
     traffic = call.io_bytes(logits, target) + 4 * n
-    args = (logits, target, ignore_index, label_smoothing, reduction)
-    return row_design(call, "cross_entropy", n, v, _CE_PASSES, *_CE_ROW, traffic,
-                      flops("cross_entropy", args))
+    if needs_grad:
+        passes = passes + [Pass("dlogits", {"add": 3, "exp": 1, "mul": 1}, ("add", "exp", "add", "mul"))]
+        traffic += call.io_bytes(logits)
+    args = (logits, target, ignore_index, label_smoothing, reduction, needs_grad)
+    return row_design(call, "cross_entropy", n, v, passes, *_CE_ROW, traffic,
+                      flops("cross_entropy", args, 2.0 if needs_grad else 1.0))
 
 
-def cross_entropy_bwd_design(call: Call, logits, target, ignore_index, label_smoothing, reduction, *rest):
-    n, v = logits.shape
-    passes = [Pass("dlogits", {"add": 3, "exp": 1, "mul": 1}, ("add", "exp", "add", "mul"))]
-    args = (logits, target, ignore_index, label_smoothing, reduction)
-    return row_design(call, "cross_entropy", n, v, passes, {"recip": 1}, ("recip",),
-                      call.io_bytes(logits, logits, target) + 4 * n, flops("cross_entropy", args, 2.0))
+def cross_entropy_bwd_design(call: Call, logits, target, ignore_index, label_smoothing, reduction, needs_grad,
+                             loss, dlogits, *rest):
+    n = dlogits.numel()
+    scale = stream(call, "scale", n, call.lanes(2 * call.elem_bytes(dlogits)), {"mul": 1}, ("mul",))
+    return Design("cross_entropy", scale, (), 2 * call.io_bytes(dlogits), float(n))
 
 
 def _lce_design(call: Call, hidden, weight, target, bias, products, work: float) -> Design:
