@@ -161,3 +161,12 @@ def test_float64_scales_only_on_a_float64_backend() -> None:
     spec.validate(dict(args), REF.dtypes)
     with pytest.raises(kpt.KernelInputError, match="scale"):
         spec.validate(dict(args), kpt.FLOAT_DTYPES)
+
+
+def test_float64_quantize_rounds_once() -> None:
+    # just above the midpoint of 1.0 and 1.125 (e4m3): a conversion through float32 would land on
+    # the midpoint and round to even, 1.0
+    x = torch.tensor([[448.0, 1.0625 + 2**-40, -(1.0625 + 2**-40), 1.0625]], dtype=torch.float64)
+    xq, scale = REF.quantize_fp8(x, "tensor", torch.float8_e4m3fn)
+    assert scale.item() == 1.0
+    assert xq.double().tolist() == [[448.0, 1.125, -1.125, 1.0]]

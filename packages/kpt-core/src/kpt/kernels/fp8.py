@@ -146,7 +146,14 @@ def _amax(x: Tensor, granularity: str) -> Tensor:
 
 def _saturate(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     fp8_max = torch.finfo(fp8_dtype).max
-    return t.clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    t = t.clamp(-fp8_max, fp8_max)
+    if t.dtype == torch.float64:
+        # torch converts float64 to float8 through float32, rounding twice (1.0625 + 2^-40 becomes
+        # 1.0 in e4m3, not 1.125); rounding to float32 "to odd" first makes the second rounding exact
+        f = t.to(torch.float32)
+        f = torch.where(f.double().abs() > t.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+        t = (f.view(torch.int32) | (f.double() != t).to(torch.int32)).view(torch.float32)
+    return t.to(fp8_dtype)
 
 
 def _compute(*dtypes: torch.dtype) -> torch.dtype:
