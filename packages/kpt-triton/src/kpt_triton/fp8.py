@@ -290,11 +290,13 @@ def fp8_linear_fwd(xq, x_scale, wq, w_scale, bias, out_dtype, *, scaled_mm: bool
                              out_dtype=out_dtype)
         return (y.reshape(out_shape),)
     sx = x_scale.reshape(-1, 1) if x_scale.dim() else x_scale
+    # float32 operands, bias and sum, rounded once to out_dtype: a bias that cancels the product
+    # would otherwise show the operands' 16-bit rounding
     tune = {"block": block, "elems_per_warp": elems_per_warp, "native_cast": native_cast}
-    (xd,) = dequantize_fp8_fwd(x2, sx, out_dtype, **tune)
-    (wd,) = dequantize_fp8_fwd(wq, w_scale, out_dtype, **tune)
+    (xd,) = dequantize_fp8_fwd(x2, sx, torch.float32, **tune)
+    (wd,) = dequantize_fp8_fwd(wq, w_scale, torch.float32, **tune)
     if bias is None:
         y = torch.mm(xd, wd.t())
     else:
-        y = torch.addmm(bias.to(out_dtype), xd, wd.t())
-    return (y.reshape(out_shape),)
+        y = torch.addmm(bias.to(torch.float32), xd, wd.t())
+    return (y.to(out_dtype).reshape(out_shape),)
