@@ -150,7 +150,7 @@ class _Bound(NamedTuple):
 
 
 def _needs_grad(spec: KernelSpec, args: Mapping[str, Any]) -> bool:
-    return bool(spec.differentiable) and torch.is_grad_enabled() and any(
+    return torch.is_grad_enabled() and any(
         isinstance(args[n], torch.Tensor) and args[n].requires_grad for n in spec.differentiable
     )
 

@@ -259,6 +259,7 @@ class ApFixed:
                 flip = ld != (out < 0)
                 mag = torch.remainder(-out - 1, hi + 1)      # (~out) & hi
                 out = torch.where(flip, torch.where(ld, mag - (hi + 1), mag), out)
+        # overflowed q may not fit the raw dtype: zeroed before the cast, then replaced by out
         return torch.where(over, out.to(dtype), torch.where(over, 0, q).to(dtype)), over
 
     def _wrap(self, q: Tensor) -> Tensor:

@@ -197,11 +197,13 @@ def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, 
     n = logits.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    # the gradient for an upstream gradient of 1: 1 per row ("none", "sum") or 1 / n_kept ("mean")
-    one = torch.ones((), dtype=torch.float32, device=logits.device)
-    unit = _row_grad(one, target, ignore_index, "sum" if reduction == "none" else reduction)
     dlogits = torch.empty(logits.shape if needs_grad else (0,), dtype=logits.dtype, device=logits.device)
-    _rows(logits, target, None, unit if needs_grad else None, losses, lse, dlogits, ignore_index,
+    unit = None
+    if needs_grad:
+        # the gradient for an upstream gradient of 1: 1 per row ("none", "sum") or 1 / n_kept ("mean")
+        one = torch.ones((), dtype=torch.float32, device=logits.device)
+        unit = _row_grad(one, target, ignore_index, "mean" if reduction == "mean" else "sum")
+    _rows(logits, target, None, unit, losses, lse, dlogits, ignore_index,
           label_smoothing, compute_lse=True, write_loss=True, block_v=block_v, elems_per_warp=elems_per_warp,
           programs_per_sm=programs_per_sm)
     return _reduce(losses, target, ignore_index, reduction, logits.dtype), dlogits
