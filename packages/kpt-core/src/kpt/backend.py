@@ -134,9 +134,12 @@ class Backend(abc.ABC):
             out = bound_kernels.ops[kernel](*values)
         elif needs_grad:
             out = bound_kernels.functions[kernel](*values)
-        else:
+        elif torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+            # inputs outside ``spec.differentiable`` that require grad: the result carries no graph
             with torch.no_grad():
                 out = bound_kernels.kernels[kernel].forward(*values)
+        else:
+            out = bound_kernels.kernels[kernel].forward(*values)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
 

@@ -102,9 +102,24 @@ class KernelSpec:
     def _signature(self) -> inspect.Signature:
         return inspect.signature(self.signature)
 
+    @functools.cached_property
+    def _parameters(self) -> tuple[tuple[str, ...], dict[str, Any]] | None:
+        """Names and defaults, when every parameter is positional-or-keyword (then `bind` skips
+        ``inspect``, which costs more than the rest of a call's host time)."""
+        params = self._signature.parameters.values()
+        if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+            return None
+        return tuple(p.name for p in params), {p.name: p.default for p in params if p.default is not p.empty}
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
         """Match a call to the public signature, defaults applied; a wrong call is a KernelInputError."""
-        try:
+        fast = self._parameters
+        if fast is not None and len(args) <= len(fast[0]):
+            names, defaults = fast
+            rest = names[len(args):]
+            if all(n in kwargs or n in defaults for n in rest) and len(kwargs) == sum(n in kwargs for n in rest):
+                return dict(zip(names, args)) | {n: kwargs[n] if n in kwargs else defaults[n] for n in rest}
+        try:  # a call the fast path does not take, or a wrong one: inspect names the problem
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise KernelInputError(f"{self.name}: {exc}") from None

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import load_tile, persistent_programs, row_tiling, warps
+from .tiling import load_tile, persistent_programs, row_tiling, store_output, warps
 
 
 @triton.jit
@@ -39,10 +39,16 @@ def _layer_norm_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < R
     cols = tl.arange(0, BLOCK_D)
+    # the parameters of the first chunk are requested before the row, so that both loads overlap
+    if HAS_WEIGHT:
+        w0 = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b0 = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)
 
     # Statistics of the first chunk, which stays in registers for the output pass.
     mask0 = row_ok[:, None] & (cols < D)[None, :]
@@ -70,14 +76,22 @@ def _layer_norm_fwd_kernel(
         mask = row_ok[:, None] & (c + cols < D)[None, :]
         if c == 0:
             x = x0
+            if HAS_WEIGHT:
+                w = w0
+            if HAS_BIAS:
+                b = b0
         else:
             x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
+            if HAS_WEIGHT:
+                w = tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                b = tl.load(B + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)
         y = (x - mean[:, None]) * rstd[:, None]
         if HAS_WEIGHT:
-            y *= tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+            y *= w[None, :]
         if HAS_BIAS:
-            y += tl.load(B + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows[:, None] * D + c + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            y += b[None, :]
+        store_output(Y + rows[:, None] * D + c + cols[None, :], y.to(Y.dtype.element_ty), mask, STREAM)
 
 
 @triton.jit
@@ -158,9 +172,10 @@ def _layer_norm_bwd_kernel(
 
 
 def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: int = 2048,
-                   elems_per_warp: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   elems_per_warp: int = 512, stream: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, mean, rstd)``. Tuning: rows up to ``max_block`` columns are read once; each program
-    normalizes about ``tile_elems`` elements with one warp per ``elems_per_warp``."""
+    normalizes about ``tile_elems`` elements with one warp per ``elems_per_warp``; ``stream``
+    writes ``y`` as streamed data (see `kpt_triton.tiling.store_output`)."""
     x2 = rows(x)
     n_rows, d = x2.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -171,7 +186,7 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
         _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
             x2, weight, bias, y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
+            BLOCK_R=block_r, BLOCK_D=block_d, STREAM=stream, num_warps=warps(block_r * block_d, elems_per_warp),
         )
     return y, mean, rstd
 

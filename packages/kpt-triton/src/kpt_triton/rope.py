@@ -11,9 +11,9 @@ swapped and negated::
     dt₁ = g₁ · c₁ + g₂ · s₂
     dt₂ = g₂ · c₂ − g₁ · s₁
 
-Each program rotates ``BLOCK_S`` positions of one (batch, head) of q or k; the tables are
-indexed per batch (``[B, S, D]``) or shared (``[S, D]``, batch stride 0), and read through
-the cache by every head.
+One launch rotates q and k: each program rotates ``BLOCK_S`` positions of one (batch, head) of
+q or of k; the tables are indexed per batch (``[B, S, D]``) or shared (``[S, D]``, batch stride
+0), and read through the cache by every head.
 """
 
 from __future__ import annotations
@@ -22,26 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import warps
+from .tiling import store_output, warps
 
 
 @triton.jit
-def _rope_kernel(
-    T, COS, SIN, OUT,  # OUT is contiguous [B, H, S, D]
-    H, S, HALF,  # heads, positions, D / 2
-    stride_tb, stride_th, stride_ts, stride_td,
-    stride_cb, stride_cs, stride_cd,  # strides of cos and sin (one shape; batch stride 0 when shared)
-    stride_sb, stride_ss, stride_sd,
-    BACKWARD: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+def _rope_tile(
+    T, COS, SIN, OUT, tile, H, S, HALF,
+    stride_tb, stride_th, stride_ts, stride_td, stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+    BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, STREAM: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """Rotate tile ``tile`` of ``T`` ([B, H, S, D]) into ``OUT`` (contiguous, like T)."""
     s_blocks = tl.cdiv(S, BLOCK_S)
-    bh = pid // s_blocks
+    bh = tile // s_blocks
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    pos = ((pid % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    pos = ((tile % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     mask = (pos < S)[:, None] & (d < HALF)[None, :]
 
@@ -58,40 +53,70 @@ def _rope_kernel(
         s1, s2 = -s2, -s1
 
     out = OUT + ((b * H + h) * S + pos[:, None]) * (2 * HALF) + d[None, :]
-    tl.store(out, (t1 * c1 - t2 * s1).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(out + HALF, (t2 * c2 + t1 * s2).to(OUT.dtype.element_ty), mask=mask)
+    store_output(out, (t1 * c1 - t2 * s1).to(OUT.dtype.element_ty), mask, STREAM)
+    store_output(out + HALF, (t2 * c2 + t1 * s2).to(OUT.dtype.element_ty), mask, STREAM)
 
 
-def _rotate(t, cos, sin, backward, tile_elems, elems_per_warp):
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    b, h, s, d = t.shape
-    if out.numel() == 0:
-        return out
+@triton.jit
+def _rope_kernel(
+    Q, K, COS, SIN, QO, KO,  # QO, KO are contiguous like Q, K
+    HQ, HK, S, HALF, Q_TILES,  # heads of q and of k, positions, D / 2, the programs of q
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_cb, stride_cs, stride_cd,  # strides of cos and sin (one shape; batch stride 0 when shared)
+    stride_sb, stride_ss, stride_sd,
+    BACKWARD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    STREAM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < Q_TILES:
+        _rope_tile(Q, COS, SIN, QO, pid, HQ, S, HALF, stride_qb, stride_qh, stride_qs, stride_qd,
+                   stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+                   BACKWARD, BLOCK_S, BLOCK_HALF, STREAM)
+    else:
+        _rope_tile(K, COS, SIN, KO, pid - Q_TILES, HK, S, HALF, stride_kb, stride_kh, stride_ks, stride_kd,
+                   stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+                   BACKWARD, BLOCK_S, BLOCK_HALF, STREAM)
+
+
+def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
+    """Rotate ``q`` and ``k`` (either may be None: nothing to rotate) in one launch."""
+    outs = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k)]
+    t0 = q if q is not None else k
+    b, _, s, d = t0.shape
     # a shared table is the per-batch table with batch stride 0
     cos3, sin3 = (cos, sin) if cos.dim() == 3 else (cos.expand(b, s, d), sin.expand(b, s, d))
-    block_half = triton.next_power_of_2(d // 2)
-    block_s = max(1, min(triton.next_power_of_2(s), tile_elems // (2 * block_half)))
-    _rope_kernel[(b * h * triton.cdiv(s, block_s),)](
-        t, cos3, sin3, out, h, s, d // 2, *t.stride(), *cos3.stride(), *sin3.stride(),
-        BACKWARD=backward, BLOCK_S=block_s, BLOCK_HALF=block_half,
-        num_warps=warps(2 * block_s * block_half, elems_per_warp),
-    )
-    return out
+    block_half = triton.next_power_of_2(max(d // 2, 1))
+    block_s = max(1, min(triton.next_power_of_2(max(s, 1)), tile_elems // (2 * block_half)))
+    # an absent tensor runs no program: it stands in for itself with its head count set to 0
+    heads = [0 if t is None else t.shape[1] for t in (q, k)]
+    ts = [t0 if t is None else t for t in (q, k)]
+    os_ = [ts[i] if o is None else o for i, o in enumerate(outs)]
+    tiles = [b * h * triton.cdiv(s, block_s) for h in heads]
+    if sum(tiles):
+        _rope_kernel[(sum(tiles),)](
+            ts[0], ts[1], cos3, sin3, os_[0], os_[1], heads[0], heads[1], s, d // 2, tiles[0],
+            *ts[0].stride(), *ts[1].stride(), *cos3.stride(), *sin3.stride(),
+            BACKWARD=backward, BLOCK_S=block_s, BLOCK_HALF=block_half, STREAM=stream,
+            num_warps=warps(2 * block_s * block_half, elems_per_warp),
+        )
+    return outs
 
 
-def rope_fwd(q, k, cos, sin, *, tile_elems: int = 4096,
-             elems_per_warp: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_fwd(q, k, cos, sin, *, tile_elems: int = 4096, elems_per_warp: int = 512,
+             stream: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_out, k_out)``. Tuning: each program rotates about ``tile_elems`` elements (whole
-    head rows), one warp per ``elems_per_warp``."""
-    return (_rotate(q, cos, sin, False, tile_elems, elems_per_warp),
-            _rotate(k, cos, sin, False, tile_elems, elems_per_warp))
+    head rows), one warp per ``elems_per_warp``; ``stream`` marks the outputs as streamed
+    (written once, not read again soon: they bypass the caches)."""
+    q_out, k_out = _rotate(q, k, cos, sin, False, tile_elems, elems_per_warp, stream)
+    return q_out, k_out
 
 
 def rope_bwd(q, k, cos, sin, q_out, k_out, dq_out, dk_out, *, tile_elems: int = 4096,
-             elems_per_warp: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+             elems_per_warp: int = 512, stream: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq, dk)``; a missing output gradient gives a zero gradient."""
-    return tuple(
-        _rotate(g, cos, sin, True, tile_elems, elems_per_warp) if g is not None
-        else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-        for t, g in ((q, dq_out), (k, dk_out))
-    )
+    dq, dk = (None, None) if dq_out is None and dk_out is None else \
+        _rotate(dq_out, dk_out, cos, sin, True, tile_elems, elems_per_warp, stream)
+    return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g
+                 for t, g in ((q, dq), (k, dk)))

@@ -5,7 +5,7 @@ Forward, per row of ``D`` elements along ``dim`` (float32 inside)::
     m = max(x)
     y = exp(x − m) / Σ exp(x − m)
 
-A row held in one chunk is read once; a longer row keeps a running maximum and rescales its
+A row held in one chunk is read once and exponentiated once; a longer row keeps a running maximum and rescales its
 running sum whenever the maximum grows (``s ← s · exp(m − m') + Σ exp(x − m')``), then is read
 again to write ``y``. Backward::
 
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import row_tiling, warps
+from .tiling import row_tiling, store_output, warps
 
 
 @triton.jit
@@ -39,6 +39,8 @@ def _softmax_fwd_kernel(
     stride_xo, stride_xd, stride_xi,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # D <= BLOCK_D: the exponentials of pass 1 are the ones pass 2 needs
+    STREAM: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < R
@@ -49,7 +51,8 @@ def _softmax_fwd_kernel(
     x0 = tl.load(X + _offsets(rows, cols, inner, stride_xo, stride_xd, stride_xi), mask=mask0,
                  other=-float("inf")).to(tl.float32)
     m = tl.max(x0, axis=1)
-    s = tl.sum(tl.exp(x0 - m[:, None]), axis=1)
+    e0 = tl.exp(x0 - m[:, None])
+    s = tl.sum(e0, axis=1)
     for c in range(BLOCK_D, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
         x = tl.load(X + _offsets(rows, c + cols, inner, stride_xo, stride_xd, stride_xi), mask=mask,
@@ -62,14 +65,17 @@ def _softmax_fwd_kernel(
     # Pass 2: write y.
     for c in range(0, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
-        if c == 0:
-            x = x0
+        if ONE_CHUNK:
+            e = e0
+        elif c == 0:
+            e = tl.exp(x0 - m[:, None])
         else:
             x = tl.load(X + _offsets(rows, c + cols, inner, stride_xo, stride_xd, stride_xi), mask=mask,
                         other=-float("inf")).to(tl.float32)
-        y = tl.exp(x - m[:, None]) * inv[:, None]
+            e = tl.exp(x - m[:, None])
+        y = e * inv[:, None]
         y_ptrs = Y + _offsets(rows, c + cols, inner, D * inner, inner, 1)
-        tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=mask)
+        store_output(y_ptrs, y.to(Y.dtype.element_ty), mask, STREAM)
 
 
 @triton.jit
@@ -120,9 +126,10 @@ def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def softmax_fwd(x, dim, *, max_block: int = 16384, tile_elems: int = 2048,
-                elems_per_warp: int = 512) -> tuple[torch.Tensor]:
+                elems_per_warp: int = 512, stream: bool = False) -> tuple[torch.Tensor]:
     """``(y,)``. Tuning: rows up to ``max_block`` long are read once; each program handles about
-    ``tile_elems`` elements with one warp per ``elems_per_warp``."""
+    ``tile_elems`` elements with one warp per ``elems_per_warp``; ``stream`` writes ``y`` as
+    streamed data (see `kpt_triton.tiling.store_output`)."""
     x3 = _as_3d(x, dim)
     outer, d, inner = x3.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -131,7 +138,8 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, tile_elems: int = 2048,
     if n_rows and d:
         _softmax_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
             x3, y, n_rows, d, inner, *x3.stride(),
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
+            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
+            num_warps=warps(block_r * block_d, elems_per_warp),
         )
     return (y,)
 

@@ -81,3 +81,13 @@ def tile_of(pid, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 def tiles(r: int, d: int, block_r: int, block_d: int) -> int:
     """How many `tile_of` tiles cover an ``[r, d]`` matrix."""
     return triton.cdiv(r, block_r) * triton.cdiv(d, block_d)
+
+
+@triton.jit
+def store_output(PTRS, value, mask, STREAM: tl.constexpr):
+    """Store an output tile; with ``STREAM`` as streamed data (written once and not read back
+    soon: ``.cs``, evict first), which keeps the cache for the inputs still being read."""
+    if STREAM:
+        tl.store(PTRS, value, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(PTRS, value, mask=mask)
