@@ -40,7 +40,7 @@ class Report:
                 row[r["kind"]][0] += r["outcome"] in ("passed", "xfailed")
             if "worst" in r and r["outcome"] == "passed":
                 row["worst"] = max(row["worst"], r["worst"])
-            for key in ("speedup_eager", "speedup_compile", "ceiling_fraction"):
+            for key in ("speedup_eager", "ceiling_fraction"):
                 if key in r:
                     row[f"{r.get('mode', '')} {key}".strip()] = r[key]
         return {k: table[k] for k in kpt.SPECS if k in table}

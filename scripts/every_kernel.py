@@ -20,11 +20,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--kernels", default=",".join(kpt.SPECS), help="comma-separated (default: all)")
     opts = parser.parse_args()
     be = kpt.get_backend(opts.backend)
     g = torch.Generator().manual_seed(0)
     calls = 0
-    for spec in kpt.SPECS.values():
+    specs = [kpt.SPECS[name] for name in opts.kernels.split(",")]
+    for spec in specs:
         for case in spec.cases():
             if case.perf:
                 continue
@@ -43,7 +45,7 @@ def main() -> int:
         if be.device().type == "cuda":
             torch.cuda.synchronize()
         print(f"{spec.name}: ok", flush=True)
-    print(f"{calls} calls of {len(kpt.SPECS)} kernels ran on {be.name}")
+    print(f"{calls} calls of {len(specs)} kernels ran on {be.name}")
     return 0
 
 

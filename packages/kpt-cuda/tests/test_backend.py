@@ -117,3 +117,13 @@ def test_interpreter_mode_is_never_selected_automatically() -> None:
         pytest.skip("runs under TRITON_INTERPRET=1 (CI), where the backend simulates itself on the CPU")
     assert kpt.reload_backends().get().name == "reference"
     assert kpt.get_backend("cuda").device().type == "cpu"
+
+
+def test_every_kernel_declares_a_speed_bar():
+    be = kpt_cuda.CudaBackend()
+    for name in kpt.SPECS:
+        for mode in ("fwd", "fwd+bwd"):
+            bar = be.perf_bar(name, mode)
+            assert bar.min_speedup is not None or bar.min_ceiling_fraction is not None, (name, mode)
+    assert be.perf_bar("rms_norm", "fwd").min_ceiling_fraction == 0.6
+    assert be.perf_bar("rms_norm", "fwd+bwd").min_ceiling_fraction is None

@@ -81,8 +81,9 @@ class Backend(abc.ABC):
         """A tolerance other than the default table's, with its reason; None keeps the default."""
         return None
 
-    def perf_bar(self, kernel: str) -> PerfBar | None:
-        """What speed this backend promises for ``kernel``; None promises nothing."""
+    def perf_bar(self, kernel: str, mode: str) -> PerfBar | None:
+        """What speed this backend promises for ``kernel`` in ``mode`` ("fwd" or "fwd+bwd");
+        None promises nothing."""
         return None
 
     def environment(self) -> dict[str, str]:

@@ -140,7 +140,7 @@ class FpgaSimBackend(Backend):
             return None
         return fixed_tolerance(kernel, fmt)
 
-    def perf_bar(self, kernel: str) -> PerfBar:
+    def perf_bar(self, kernel: str, mode: str) -> PerfBar:
         """Simulation speed against the reference backend on the conformance shapes: at most 20x
         its time, in float32 and in fixed-point mode alike."""
         return PerfBar(min_speedup=1 / SLOWDOWN_BAR, cases="conformance")
