@@ -40,19 +40,20 @@ def _rope_tile(
     d = tl.arange(0, BLOCK_HALF)
     mask = (pos < S)[:, None] & (d < HALF)[None, :]
 
-    t = T + b * stride_tb + h * stride_th + pos[:, None] * stride_ts + d[None, :] * stride_td
+    # 64-bit bases per position, 32-bit offsets along the head dimension
+    t = (T + b * stride_tb + h * stride_th + pos * stride_ts)[:, None] + (d * stride_td)[None, :]
     t1 = tl.load(t, mask=mask, other=0.0).to(tl.float32)
     t2 = tl.load(t + HALF * stride_td, mask=mask, other=0.0).to(tl.float32)
-    c = COS + b * stride_cb + pos[:, None] * stride_cs + d[None, :] * stride_cd
+    c = (COS + b * stride_cb + pos * stride_cs)[:, None] + (d * stride_cd)[None, :]
     c1 = tl.load(c, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(c + HALF * stride_cd, mask=mask, other=0.0).to(tl.float32)
-    s = SIN + b * stride_sb + pos[:, None] * stride_ss + d[None, :] * stride_sd
+    s = (SIN + b * stride_sb + pos * stride_ss)[:, None] + (d * stride_sd)[None, :]
     s1 = tl.load(s, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(s + HALF * stride_sd, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
         s1, s2 = -s2, -s1
 
-    out = OUT + ((b * H + h) * S + pos[:, None]) * (2 * HALF) + d[None, :]
+    out = (OUT + ((b * H + h) * S + pos) * (2 * HALF))[:, None] + d[None, :]
     store_output(out, (t1 * c1 - t2 * s1).to(OUT.dtype.element_ty), mask, STREAM)
     store_output(out + HALF, (t2 * c2 + t1 * s2).to(OUT.dtype.element_ty), mask, STREAM)
 

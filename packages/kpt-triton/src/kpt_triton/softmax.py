@@ -27,9 +27,11 @@ from .tiling import row_tiling, store_output, warps
 
 
 @triton.jit
-def _offsets(rows, cols, inner, stride_o, stride_d, stride_i):
-    """Element offsets of ``rows × cols`` in an ``[outer, D, inner]`` tensor (``rows`` int64)."""
-    return ((rows // inner) * stride_o + (rows % inner) * stride_i)[:, None] + cols[None, :] * stride_d
+def _pointers(BASE, rows, cols, inner, stride_o, stride_d, stride_i):
+    """Pointers to ``rows × cols`` of an ``[outer, D, inner]`` tensor (``rows`` int64): one 64-bit
+    base per row plus 32-bit column offsets (no 64-bit arithmetic per element)."""
+    row_base = BASE + (rows // inner) * stride_o + (rows % inner) * stride_i
+    return row_base[:, None] + (cols * stride_d)[None, :]
 
 
 @triton.jit
@@ -48,14 +50,14 @@ def _softmax_fwd_kernel(
 
     # Pass 1: running maximum and sum; the first chunk stays in registers.
     mask0 = row_ok[:, None] & (cols < D)[None, :]
-    x0 = tl.load(X + _offsets(rows, cols, inner, stride_xo, stride_xd, stride_xi), mask=mask0,
+    x0 = tl.load(_pointers(X, rows, cols, inner, stride_xo, stride_xd, stride_xi), mask=mask0,
                  other=-float("inf")).to(tl.float32)
     m = tl.max(x0, axis=1)
     e0 = tl.exp(x0 - m[:, None])
     s = tl.sum(e0, axis=1)
     for c in range(BLOCK_D, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
-        x = tl.load(X + _offsets(rows, c + cols, inner, stride_xo, stride_xd, stride_xi), mask=mask,
+        x = tl.load(_pointers(X, rows, c + cols, inner, stride_xo, stride_xd, stride_xi), mask=mask,
                     other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
@@ -70,11 +72,11 @@ def _softmax_fwd_kernel(
         elif c == 0:
             e = tl.exp(x0 - m[:, None])
         else:
-            x = tl.load(X + _offsets(rows, c + cols, inner, stride_xo, stride_xd, stride_xi), mask=mask,
+            x = tl.load(_pointers(X, rows, c + cols, inner, stride_xo, stride_xd, stride_xi), mask=mask,
                         other=-float("inf")).to(tl.float32)
             e = tl.exp(x - m[:, None])
         y = e * inv[:, None]
-        y_ptrs = Y + _offsets(rows, c + cols, inner, D * inner, inner, 1)
+        y_ptrs = _pointers(Y, rows, c + cols, inner, D * inner, inner, 1)
         store_output(y_ptrs, y.to(Y.dtype.element_ty), mask, STREAM)
 
 
@@ -92,16 +94,16 @@ def _softmax_bwd_kernel(
 
     # Pass 1: Σ dy · y; the first chunk stays in registers.
     mask0 = row_ok[:, None] & (cols < D)[None, :]
-    y0 = tl.load(Y + _offsets(rows, cols, inner, stride_yo, stride_yd, stride_yi), mask=mask0,
+    y0 = tl.load(_pointers(Y, rows, cols, inner, stride_yo, stride_yd, stride_yi), mask=mask0,
                  other=0.0).to(tl.float32)
-    dy0 = tl.load(DY + _offsets(rows, cols, inner, stride_dyo, stride_dyd, stride_dyi), mask=mask0,
+    dy0 = tl.load(_pointers(DY, rows, cols, inner, stride_dyo, stride_dyd, stride_dyi), mask=mask0,
                   other=0.0).to(tl.float32)
     dot = tl.sum(dy0 * y0, axis=1)
     for c in range(BLOCK_D, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
-        y = tl.load(Y + _offsets(rows, c + cols, inner, stride_yo, stride_yd, stride_yi), mask=mask,
+        y = tl.load(_pointers(Y, rows, c + cols, inner, stride_yo, stride_yd, stride_yi), mask=mask,
                     other=0.0).to(tl.float32)
-        dy = tl.load(DY + _offsets(rows, c + cols, inner, stride_dyo, stride_dyd, stride_dyi), mask=mask,
+        dy = tl.load(_pointers(DY, rows, c + cols, inner, stride_dyo, stride_dyd, stride_dyi), mask=mask,
                      other=0.0).to(tl.float32)
         dot += tl.sum(dy * y, axis=1)
 
@@ -111,12 +113,12 @@ def _softmax_bwd_kernel(
         if c == 0:
             y, dy = y0, dy0
         else:
-            y = tl.load(Y + _offsets(rows, c + cols, inner, stride_yo, stride_yd, stride_yi), mask=mask,
+            y = tl.load(_pointers(Y, rows, c + cols, inner, stride_yo, stride_yd, stride_yi), mask=mask,
                         other=0.0).to(tl.float32)
-            dy = tl.load(DY + _offsets(rows, c + cols, inner, stride_dyo, stride_dyd, stride_dyi), mask=mask,
+            dy = tl.load(_pointers(DY, rows, c + cols, inner, stride_dyo, stride_dyd, stride_dyi), mask=mask,
                          other=0.0).to(tl.float32)
         dx = y * (dy - dot[:, None])
-        dx_ptrs = DX + _offsets(rows, c + cols, inner, D * inner, inner, 1)
+        dx_ptrs = _pointers(DX, rows, c + cols, inner, D * inner, inner, 1)
         tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
 
 

@@ -64,8 +64,9 @@ def persistent_programs(tiles: int, device: torch.device, programs_per_sm: int) 
 
 @triton.jit
 def load_tile(PTR, rows, cols, stride_r, stride_c, mask):
-    """The tile ``rows × cols`` of a strided matrix (``rows`` int64), loaded as float32."""
-    ptrs = PTR + rows[:, None] * stride_r + cols[None, :] * stride_c
+    """The tile ``rows × cols`` of a strided matrix (``rows`` int64), loaded as float32: one
+    64-bit base per row plus 32-bit column offsets (no 64-bit arithmetic per element)."""
+    ptrs = (PTR + rows * stride_r)[:, None] + (cols * stride_c)[None, :]
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
