@@ -167,3 +167,19 @@ def test_inputs_the_backward_never_reads_are_not_kept() -> None:
     assert alive() is None, "cross_entropy's autograd node keeps its logits alive"
     loss.backward()
     assert logits.grad is not None
+
+
+def test_a_call_tolerance_defaults_to_the_kernel_tolerance_and_is_asked_with_the_call() -> None:
+    from kpt.testing import tolerance_for
+
+    class Strict(kpt.get_backend("reference").__class__):
+        def call_tolerance(self, kernel, dtype, args, output):
+            wide = args["x"].shape[-1] > 8 and output == "y"
+            return kpt.Tolerance(1e-3, 1e-3, 1e-3, "wide rows") if wide else self.tolerance(kernel, dtype)
+
+    be = kpt.get_backend("reference")
+    x = torch.randn(2, 16)
+    assert be.call_tolerance("gelu", torch.float32, {"x": x}, "y") is None
+    y = torch.empty(2, 16)
+    assert tolerance_for(Strict(), "gelu", torch.float32, y, args={"x": x}, output="y").reason == "wide rows"
+    assert tolerance_for(Strict(), "gelu", torch.float32, y) == kpt.default_tolerance(torch.float32)

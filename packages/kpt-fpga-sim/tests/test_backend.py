@@ -123,6 +123,24 @@ def test_fixed_tolerance_is_derived_from_the_format(fx, be) -> None:
     assert fx.tolerance("quantize_fp8", torch.float32) is None
 
 
+def test_fixed_tolerance_grows_with_a_weights_fan_in(fx, be) -> None:
+    base = fx.tolerance("linear", torch.float32)
+    short, long = ({"weight": torch.zeros(3, k)} for k in (64, 4097))
+    assert fx.call_tolerance("linear", torch.float32, short, "y") == base
+    assert fx.call_tolerance("linear", torch.float32, long, "dx").rel_norm > base.rel_norm
+    # dweight is not computed through the weight
+    assert fx.call_tolerance("linear", torch.float32, long, "dweight") == base
+    assert be.call_tolerance("linear", torch.float32, long, "y") is None
+
+
+def test_attention_backward_holds_dp_of_a_long_head(fx) -> None:
+    # dP = dO·Vᵀ over D = 256 has a standard deviation of 16: within its declared type
+    q, k, v = (torch.randn(1, 2, 17, 256, requires_grad=True) for _ in range(3))
+    o = fx.attention(q, k, v)
+    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    assert fx.last_report.direction == "backward" and "dp" not in fx.last_report.overflows
+
+
 def test_overflows_are_counted_and_reported(fx) -> None:
     fx.clear_reports()
     y = fx.silu(torch.tensor([[1.0, 100.0, -100.0, 2.0]]))

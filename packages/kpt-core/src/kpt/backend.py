@@ -81,6 +81,13 @@ class Backend(abc.ABC):
         """A tolerance other than the default table's, with its reason; None keeps the default."""
         return None
 
+    def call_tolerance(self, kernel: str, dtype: torch.dtype, args: Mapping[str, Any],
+                       output: str) -> Tolerance | None:
+        """`tolerance` for one call's ``output`` (a forward output's name, or ``d`` and an input's
+        name for a gradient), given the call's arguments: for bounds that depend on shapes (a
+        fixed-point error that grows with a contraction's length). The default ignores the call."""
+        return self.tolerance(kernel, dtype)
+
     def perf_bar(self, kernel: str, mode: str) -> PerfBar | None:
         """What speed this backend promises for ``kernel`` in ``mode`` ("fwd" or "fwd+bwd");
         None promises nothing."""

@@ -110,11 +110,14 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> 
 
 
 def tolerance_for(backend: Backend, kernel: str, dtype: torch.dtype, out: torch.Tensor,
-                  scale: float = 1.0) -> Tolerance:
-    """The backend's declared tolerance, else the default table's for the dtype under test
+                  scale: float = 1.0, args: Args | None = None, output: str = "") -> Tolerance:
+    """The backend's declared tolerance (`Backend.call_tolerance` when the call's ``args`` and the
+    compared ``output``'s name are given), else the default table's for the dtype under test
     (float8 outputs use the float8 row: their rounding dominates), widened by the case's scale."""
     key = out.dtype if out.dtype in _EXACT_FLOAT else dtype
-    tol = backend.tolerance(kernel, key) or default_tolerance(key)
+    declared = (backend.tolerance(kernel, key) if args is None
+                else backend.call_tolerance(kernel, key, args, output))
+    tol = declared or default_tolerance(key)
     if scale == 1.0:
         return tol
     return Tolerance(tol.rel_norm * scale, tol.atol * scale, tol.rtol * scale, f"{tol.reason}; case x{scale}")
@@ -179,7 +182,7 @@ def check_forward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.d
             report.problems.append(f"output '{name}' is not contiguous")
         if out.dtype != meta.dtype:
             report.problems.append(f"output '{name}' has dtype {out.dtype}, expected {meta.dtype}")
-        tol = tolerance_for(backend, spec.name, dtype, out, tolerance_scale)
+        tol = tolerance_for(backend, spec.name, dtype, out, tolerance_scale, args, name)
         report.comparisons.append(compare(name, out, ref, tol))
     return report
 
@@ -215,6 +218,6 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
         e = torch.zeros(leaf.shape, dtype=torch.float64, device=leaf.device) if e is None else e
         if g.dtype != leaf.dtype:
             report.problems.append(f"grad of '{name}' has dtype {g.dtype}, expected {leaf.dtype}")
-        tol = tolerance_for(backend, spec.name, dtype, g, tolerance_scale)
+        tol = tolerance_for(backend, spec.name, dtype, g, tolerance_scale, args, f"d{name}")
         report.comparisons.append(compare(f"d{name}", g, e, tol))
     return report

@@ -61,7 +61,7 @@ class Float32Arith:
     def cast(self, v: Tensor, name: str = "", fmt: object = None) -> Tensor:
         return v
 
-    def grown(self, n: int) -> None:
+    def grown(self, n: int, fmt: object = None) -> None:
         return None
 
     def out(self, v: Tensor, dtype: torch.dtype) -> Tensor:
@@ -124,11 +124,13 @@ class FixedArith:
         """The most negative value of the wide format, below every score declared in it."""
         return Fx(torch.tensor(self.wide.min_raw), self.wide.w, self.wide.i)
 
-    def grown(self, n: int) -> ApFixed:
-        """The data format widened by the growth of a sum of ``n`` terms (⌈log2 n⌉ integer bits):
-        the declared type of a reduction over rows (a parameter gradient, a summed loss)."""
+    def grown(self, n: int, fmt: ApFixed | None = None) -> ApFixed:
+        """The data format (or ``fmt``) widened by the growth of a sum of ``n`` terms (⌈log2 n⌉
+        integer bits): the declared type of a reduction over rows (a parameter gradient, a summed
+        loss) or of a dot product of unit-scale data (which grows like √n)."""
+        fmt = fmt or self.format
         g = bits_for(n)
-        return ApFixed(self.format.w + g, self.format.i + g, self.format.q, self.format.o)
+        return ApFixed(fmt.w + g, fmt.i + g, fmt.q, fmt.o)
 
     def cast(self, v: Fx, name: str = "", fmt: ApFixed | None = None) -> Fx:
         """Assign ``v`` to a declared type (default: the data format), counting overflows."""

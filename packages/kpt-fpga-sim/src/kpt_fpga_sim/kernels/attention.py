@@ -10,7 +10,8 @@ The score rows of a query block are held on chip (BRAM/URAM), so the softmax is 
 than an online rescaling. A query that sees no key outputs zeros and lse = −∞.
 
 Backward (scores recomputed from lse): P = exp(S − lse), dV = Σ_group Pᵀ dO, dP = dO Vᵀ,
-dS = P ⊙ (dP − rowsum(P ⊙ dP)), dQ = dS K · scale, dK = Σ_group dSᵀ Q · scale.
+dS = P ⊙ (dP − rowsum(P ⊙ dP)), dQ = dS K · scale, dK = Σ_group dSᵀ Q · scale; dP is declared
+in the wide format with the growth bits of its sum over D.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def attention_bwd(q, k, v, causal, scale, o, lse, do):
     dog = a.load(do, "do").reshape(qg.shape)
     summed = a.grown(qg.shape[2] * qg.shape[3])
     dv = a.cast((p.mT @ dog).sum(2), "dv", summed)
-    dp = a.cast(dog @ vg.mT, "dp", a.wide)
+    # dP sums D products of unit-scale values (standard deviation √D: 8 at D = 64, beyond the
+    # wide format's ±32 in about one element in 10⁴): declared with the sum's growth bits
+    dp = a.cast(dog @ vg.mT, "dp", a.grown(q.shape[-1], a.wide))
     ds = a.cast(p * (dp - (p * dp).sum(-1)[..., None]), "ds", a.wide)
     dq = a.cast((ds @ kg) * a.const(scale), "dq")
     dk = a.cast((ds.mT @ qg).sum(2) * a.const(scale), "dk", summed)
