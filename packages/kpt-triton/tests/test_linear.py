@@ -42,7 +42,9 @@ def test_activations(dtype, activation, tiles):
 
 SHAPES = {  # x shape, N, bias, activation
     "no_bias": ((17, 24), 20, None, "gelu_tanh"),
-    "single": ((1, 1), 1, "same", "gelu"),
+    # one element: no activation, whose derivative near its zero would make one rounding of the
+    # saved pre-activation an unbounded relative error (activations are test_activations' job)
+    "single": ((1, 1), 1, "same", None),
     "vector_x": ((100,), 17, None, "silu"),
     "odd": ((17, 3), 33, "same", "silu"),
     "long_k": ((3, 300), 17, "same", "relu"),
