@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import load_tile, persistent_programs, row_tiling, store_output, warps
+from .tiling import load_tile, load_vector, persistent_programs, row_tiling, store_output, warps
 
 
 @triton.jit
@@ -46,9 +46,9 @@ def _layer_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_D)
     # the parameters of the first chunk are requested before the row, so that both loads overlap
     if HAS_WEIGHT:
-        w0 = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w0 = load_vector(W, cols, D)
     if HAS_BIAS:
-        b0 = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)
+        b0 = load_vector(B, cols, D)
 
     # Statistics of the first chunk, which stays in registers for the output pass.
     mask0 = row_ok[:, None] & (cols < D)[None, :]
@@ -83,9 +83,9 @@ def _layer_norm_fwd_kernel(
         else:
             x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
             if HAS_WEIGHT:
-                w = tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)
+                w = load_vector(W, c + cols, D)
             if HAS_BIAS:
-                b = tl.load(B + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)
+                b = load_vector(B, c + cols, D)
         y = (x - mean[:, None]) * rstd[:, None]
         if HAS_WEIGHT:
             y *= w[None, :]
@@ -107,7 +107,7 @@ def _layer_norm_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     if HAS_WEIGHT:
-        w0 = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w0 = load_vector(W, cols, D)
     # Partial sums of the first chunk live in registers; later chunks (rows wider than BLOCK_D
     # only) add into this program's own rows of the partial buffers.
     dw0 = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -132,7 +132,7 @@ def _layer_norm_bwd_kernel(
             xhat = tl.where(mask, xhat, 0.0)
             g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
             if HAS_WEIGHT:
-                g *= tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+                g *= load_vector(W, c + cols, D)[None, :]
             sum_g += tl.sum(g, axis=1)
             sum_gx += tl.sum(g * xhat, axis=1)
         mean_g = (sum_g * inv_d)[:, None]
@@ -149,7 +149,7 @@ def _layer_norm_bwd_kernel(
                 dy = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
                 g = dy
                 if HAS_WEIGHT:
-                    g = dy * tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+                    g = dy * load_vector(W, c + cols, D)[None, :]
             dx = rstd * (g - mean_g - xhat * mean_gx)
             tl.store(DX + rows[:, None] * D + c + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             col_ok = c + cols < D

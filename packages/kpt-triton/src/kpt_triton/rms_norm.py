@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import load_tile, persistent_programs, row_tiling, warps
+from .tiling import load_tile, load_vector, persistent_programs, row_tiling, warps
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _rms_norm_fwd_kernel(
             h = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
         y = h * rstd[:, None]
         if HAS_WEIGHT:
-            y *= tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+            y *= load_vector(W, c + cols, D)[None, :]
         tl.store(Y + rows[:, None] * D + c + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -95,7 +95,7 @@ def _rms_norm_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     if HAS_WEIGHT:
-        w0 = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w0 = load_vector(W, cols, D)
     # dweight of the first chunk accumulates in registers; later chunks (rows wider than
     # BLOCK_D only) add into this program's own row of DW_PART, which no other program touches.
     dw0 = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -115,7 +115,7 @@ def _rms_norm_bwd_kernel(
             hhat = load_tile(H, rows, c + cols, stride_hr, stride_hc, mask) * rstd
             g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
             if HAS_WEIGHT:
-                g *= tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+                g *= load_vector(W, c + cols, D)[None, :]
             dot += tl.sum(g * hhat, axis=1)
         mean_dot = (dot / tl.maximum(D, 1).to(tl.float32))[:, None]
 
@@ -129,7 +129,7 @@ def _rms_norm_bwd_kernel(
                 dy = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
                 g = dy
                 if HAS_WEIGHT:
-                    g = dy * tl.load(W + c + cols, mask=c + cols < D, other=0.0).to(tl.float32)[None, :]
+                    g = dy * load_vector(W, c + cols, D)[None, :]
             dx = rstd * (g - hhat * mean_dot)
             if HAS_DH:
                 dx += load_tile(DH, rows, c + cols, stride_dhr, stride_dhc, mask)

@@ -110,8 +110,7 @@ def rope_fwd(q, k, cos, sin, *, tile_elems: int = 4096, elems_per_warp: int = 51
     """``(q_out, k_out)``. Tuning: each program rotates about ``tile_elems`` elements (whole
     head rows), one warp per ``elems_per_warp``; ``stream`` marks the outputs as streamed
     (written once, not read again soon: they bypass the caches)."""
-    q_out, k_out = _rotate(q, k, cos, sin, False, tile_elems, elems_per_warp, stream)
-    return q_out, k_out
+    return tuple(_rotate(q, k, cos, sin, False, tile_elems, elems_per_warp, stream))
 
 
 def rope_bwd(q, k, cos, sin, q_out, k_out, dq_out, dk_out, *, tile_elems: int = 4096,

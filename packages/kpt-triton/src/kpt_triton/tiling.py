@@ -71,6 +71,12 @@ def load_tile(PTR, rows, cols, stride_r, stride_c, mask):
 
 
 @triton.jit
+def load_vector(PTR, cols, D):
+    """Elements ``cols`` of a contiguous vector of ``D`` (a weight, a bias), as float32; 0 past D."""
+    return tl.load(PTR + cols, mask=cols < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def tile_of(pid, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows (int64), columns and mask of tile ``pid`` of an ``[R, D]`` matrix, columns fastest."""
     col_blocks = tl.cdiv(D, BLOCK_D)
