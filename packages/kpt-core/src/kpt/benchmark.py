@@ -205,6 +205,9 @@ def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, 
     if "eager" in compare_with:
         impls["eager"] = eager
     if "compile" in compare_with:
+        # every kernel's eager function shares one code object: without a reset, the compiler's
+        # recompile limit would quietly run later kernels eagerly
+        torch._dynamo.reset()
         impls["compile"] = torch.compile(eager, dynamic=False)
     library = library_call(spec.name) if "library" in compare_with and device.type == "cuda" else None
     if library is not None:
