@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import inspect
+import types
 
 import pytest
 import torch
@@ -64,14 +65,16 @@ def test_unavailable_reasons(monkeypatch, case, reason):
     assert device.arch() == "interpret"
 
 
-@pytest.mark.parametrize("cc, arch", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm90"),
-                                      ((10, 0), "sm90")])
-def test_arch_tags(monkeypatch, cc, arch):
+@pytest.mark.parametrize("cc, gib, arch", [((8, 0), 80, "sm80"), ((8, 9), 24, "sm80"), ((9, 0), 80, "sm90"),
+                                           ((9, 0), 141, "sm90-hbm3e"), ((10, 0), 80, "sm90")])
+def test_arch_tags(monkeypatch, cc, gib, arch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=gib * 2**30))
     assert device.arch() == arch
 
 

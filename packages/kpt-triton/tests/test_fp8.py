@@ -32,12 +32,12 @@ def test_quantize_layouts_and_zeros(dtype, granularity):
     kw = {"max_block": 16, "tile_elems": 32, "block": 64, "programs_per_sm": 1}
     args = {"x": x, "granularity": granularity, "fp8_dtype": torch.float8_e4m3fn}
     check_kernel("quantize_fp8", lambda *a: k.quantize_fp8_fwd(*a, **kw), None, args, dtype)
-    zeros = k.quantize_fp8_fwd(torch.zeros(4, 8, dtype=dtype), granularity, torch.float8_e4m3fn)[1]
+    zeros = k.quantize_fp8_fwd(torch.zeros(4, 8, dtype=dtype, device=device()), granularity, torch.float8_e4m3fn)[1]
     assert (zeros == 1).all()
 
 
 def test_quantize_saturates():
-    x = torch.tensor([[1.0, -2.0, 3.0]])
+    x = torch.tensor([[1.0, -2.0, 3.0]], device=device())
     xq, scale = k.quantize_fp8_fwd(x, "tensor", torch.float8_e4m3fn)
     assert scale.item() == pytest.approx(3.0 / 448) and xq.float()[0, 2] == 448 and xq.float()[0, 1] < 0
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_kernel
+from conftest import check_kernel, device
 from kpt.spec import identity, randn, strided
+from kpt.testing import to_device
 from kpt_triton import linear as k
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -92,7 +93,7 @@ def test_variants(dtype, variant, tiles):
 
 def test_no_output_gradient_gives_zeros(dtype):
     g = torch.Generator().manual_seed(43)
-    a = _args(g, dtype, (5, 8), 6, bias=torch.float32, activation="relu")
+    a = to_device(_args(g, dtype, (5, 8), 6, bias=torch.float32, activation="relu"), device())
     y, pre = k.linear_fwd(*a.values())
     dx, dw, db = k.linear_bwd(*a.values(), y, pre, None)
     for grad, inp in ((dx, a["x"]), (dw, a["weight"]), (db, a["bias"])):

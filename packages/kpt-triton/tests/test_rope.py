@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_kernel
+from conftest import check_kernel, device
 from kpt.spec import randn, strided
+from kpt.testing import to_device
 from kpt_triton import rope as k
 
 # (B, Hq, Hk, S, D, per-sequence tables)
@@ -54,7 +55,7 @@ def test_transposed_small_tiles(dtype):
 
 
 def test_missing_output_gradient(dtype):
-    args = _args(torch.Generator().manual_seed(2), dtype, 1, 2, 1, 3, 4, False)
+    args = to_device(_args(torch.Generator().manual_seed(2), dtype, 1, 2, 1, 3, 4, False), device())
     outs = k.rope_fwd(*args.values())
     dq, dk = k.rope_bwd(*args.values(), *outs, torch.randn_like(outs[0]), None)
     assert dk.shape == args["k"].shape and not dk.any() and dq.any()

@@ -31,7 +31,8 @@ _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 # cross_entropy_fwd with the gradient 2.31 -> 1.88 ms, layer_norm_fwd 0.101 -> 0.097 ms,
 # quantize_fp8_fwd (row) 0.241 -> 0.137 ms, moe_gating_fwd 13.6 -> 11.5 us; third sweep, on an
 # H200 (also sm90), with streamed output stores: softmax_fwd 0.189 -> 0.153 ms, layer_norm_fwd
-# 0.101 -> 0.092 ms, rope_fwd (q and k in one launch) 0.197 -> 0.181 ms
+# 0.101 -> 0.092 ms, rope_fwd (q and k in one launch) 0.197 -> 0.181 ms (kept for HBM3e parts
+# below); fourth sweep, H100 again: rope_fwd wants narrower warps there, 0.2304 -> 0.2272 ms
 _NORM_BWD_SM90 = {"tile_elems": 4096, "elems_per_warp": 1024, "programs_per_sm": 2}
 _ROPE_SM90 = {"tile_elems": 1024, "elems_per_warp": 512, "stream": True}
 
@@ -45,7 +46,7 @@ SM90: Table = {
     "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True},
     "softmax_bwd": _ROW_SM90,
     **{f"{k}_{d}": _POINTWISE_SM90 for k in ("gelu", "silu", "swiglu", "geglu") for d in ("fwd", "bwd")},
-    "rope_fwd": _ROPE_SM90,
+    "rope_fwd": {"tile_elems": 2048, "elems_per_warp": 256},
     "rope_bwd": _ROPE_SM90,
     "cross_entropy_fwd": {"block_v": 16384, "elems_per_warp": 1024, "programs_per_sm": 4},
     "moe_gating_fwd": {"tile_elems": 1024, "num_warps": 4},
@@ -56,6 +57,9 @@ SM90: Table = {
     "dequantize_fp8_fwd": {"block": 8192, "native_cast": True},
     "fp8_linear_fwd": {"scaled_mm": True, "native_cast": True},
 }
+
+SM90_HBM3E: Table = {**SM90, "rope_fwd": _ROPE_SM90}
+"""Hopper with HBM3e (H200): the sm90 table, except where the H200 sweep chose differently."""
 
 _ROW_SM80 = {"tile_elems": 4096, "elems_per_warp": 512}
 _ROW_BWD_SM80 = {**_ROW_SM80, "programs_per_sm": 4}
@@ -73,7 +77,7 @@ SM80: Table = {
     "fp8_linear_fwd": {"scaled_mm": False},
 }
 
-TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "interpret": {}}
+TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E, "interpret": {}}
 """By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
 
 

@@ -39,16 +39,15 @@ def _layer_norm_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # D <= BLOCK_D: the row is normalized straight from the registers
     STREAM: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < R
     cols = tl.arange(0, BLOCK_D)
     # the parameters of the first chunk are requested before the row, so that both loads overlap
-    if HAS_WEIGHT:
-        w0 = load_vector(W, cols, D)
-    if HAS_BIAS:
-        b0 = load_vector(B, cols, D)
+    w0 = load_vector(W, cols, D) if HAS_WEIGHT else None
+    b0 = load_vector(B, cols, D) if HAS_BIAS else None
 
     # Statistics of the first chunk, which stays in registers for the output pass.
     mask0 = row_ok[:, None] & (cols < D)[None, :]
@@ -72,26 +71,31 @@ def _layer_norm_fwd_kernel(
     tl.store(MEAN + rows, mean, mask=row_ok)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
-    for c in range(0, D, BLOCK_D):
-        mask = row_ok[:, None] & (c + cols < D)[None, :]
-        if c == 0:
-            x = x0
-            if HAS_WEIGHT:
-                w = w0
-            if HAS_BIAS:
-                b = b0
-        else:
-            x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-            if HAS_WEIGHT:
-                w = load_vector(W, c + cols, D)
-            if HAS_BIAS:
-                b = load_vector(B, c + cols, D)
-        y = (x - mean[:, None]) * rstd[:, None]
-        if HAS_WEIGHT:
-            y *= w[None, :]
-        if HAS_BIAS:
-            y += b[None, :]
-        store_output(Y + rows[:, None] * D + c + cols[None, :], y.to(Y.dtype.element_ty), mask, STREAM)
+    y_rows = (Y + rows * D)[:, None]
+    if ONE_CHUNK:
+        _store_normalized(y_rows, x0, mean, rstd, w0, b0, cols, mask0, HAS_WEIGHT, HAS_BIAS, STREAM)
+    else:
+        for c in range(0, D, BLOCK_D):
+            mask = row_ok[:, None] & (c + cols < D)[None, :]
+            if c == 0:
+                _store_normalized(y_rows, x0, mean, rstd, w0, b0, cols, mask, HAS_WEIGHT, HAS_BIAS, STREAM)
+            else:
+                x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
+                w = load_vector(W, c + cols, D) if HAS_WEIGHT else None
+                b = load_vector(B, c + cols, D) if HAS_BIAS else None
+                _store_normalized(y_rows + c, x, mean, rstd, w, b, cols, mask, HAS_WEIGHT, HAS_BIAS, STREAM)
+
+
+@triton.jit
+def _store_normalized(Y_ROWS, x, mean, rstd, w, b, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      STREAM: tl.constexpr):
+    """``y = (x − mean) · rstd · w + b`` stored at ``Y_ROWS + cols`` (one pointer per row)."""
+    y = (x - mean[:, None]) * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= w[None, :]
+    if HAS_BIAS:
+        y += b[None, :]
+    store_output(Y_ROWS + cols[None, :], y.to(Y_ROWS.dtype.element_ty), mask, STREAM)
 
 
 @triton.jit
@@ -186,7 +190,8 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
         _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
             x2, weight, bias, y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, STREAM=stream, num_warps=warps(block_r * block_d, elems_per_warp),
+            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
+            num_warps=warps(block_r * block_d, elems_per_warp),
         )
     return y, mean, rstd
 
