@@ -32,9 +32,6 @@ PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
 }
-# Fixed-point tolerances are bounds derived from the format that hold for typical inputs; a few
-# cases sit at their edge, so this profile replays one seed to keep its strict xfail list exact.
-PROFILE_ARGS = {"fpga-sim-fixed": ("--kpt-seed", "11")}
 PACKAGES = ("kpt-core", "kpt-triton", "kpt-cuda", "kpt-fpga-sim")
 
 
@@ -62,7 +59,7 @@ def conformance(session: nox.Session, profile: str) -> None:
     backend, packages, extra, env = PROFILES[profile]
     _install(session, *packages, extra=extra)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "conformance", "--kpt-backend", backend,
-                "--kpt-report", f"reports/{profile}", *PROFILE_ARGS.get(profile, ()), *session.posargs, env=env)
+                "--kpt-report", f"reports/{profile}", *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none")

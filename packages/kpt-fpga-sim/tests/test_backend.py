@@ -7,8 +7,10 @@ import torch
 
 import kpt
 import kpt_fpga_sim
-from kpt.testing import check_backward, check_forward
+from kpt.ops import as_tuple
+from kpt.testing import check_backward, check_forward, compare, to_oracle, tolerance_for
 from kpt_fpga_sim import FpgaSimBackend, ap_fixed, configure
+from kpt_fpga_sim.backend import ROUNDINGS, data_scale
 from kpt_fpga_sim.config import from_environment
 
 FIXED = ap_fixed(16, 6, "RND", "SAT")
@@ -131,6 +133,51 @@ def test_fixed_tolerance_grows_with_a_weights_fan_in(fx, be) -> None:
     # dweight is not computed through the weight
     assert fx.call_tolerance("linear", torch.float32, long, "dweight") == base
     assert be.call_tolerance("linear", torch.float32, long, "y") is None
+
+
+def test_fixed_tolerance_has_an_absolute_floor_at_the_scale_of_the_calls_data(fx) -> None:
+    r, n = FIXED.lsb / 2, ROUNDINGS["silu"]
+    x = torch.tensor([[0.5, -3.0, 0.25]])
+    tol = fx.call_tolerance("silu", torch.float32, {"x": x}, "y")
+    assert tol.abs_floor == pytest.approx(r * (1 + n * 3.0))
+    # a gradient's data include the upstream gradient (named d<output> by kpt.testing)
+    grad = fx.call_tolerance("silu", torch.float32, {"x": x, "dy": torch.tensor([[-5.0, 0.0, 0.0]])}, "dx")
+    assert grad.abs_floor == pytest.approx(r * (1 + n * 5.0))
+    # data the format does not hold get no floor: beyond its range (saturated), or all below its LSB
+    assert fx.call_tolerance("silu", torch.float32, {"x": x * 20}, "y").abs_floor == 0.0
+    assert fx.call_tolerance("silu", torch.float32, {"x": x * 1e-4}, "y").abs_floor == 0.0
+    assert fx.tolerance("silu", torch.float32).abs_floor == 0.0
+
+
+def test_probabilities_count_at_unit_scale(fx) -> None:
+    """Logits reach cross-entropy's outputs only as probabilities: large logits do not widen the
+    floor (it would let a mean loss's small gradient pass as zeros), the upstream gradient does."""
+    r, n = FIXED.lsb / 2, ROUNDINGS["cross_entropy"]
+    logits = torch.tensor([[8.0, -3.0, 0.5]])
+    args = {"logits": logits, "target": torch.tensor([0])}
+    assert fx.call_tolerance("cross_entropy", torch.float32, args, "loss").abs_floor == pytest.approx(r * (1 + n))
+    grad = fx.call_tolerance("cross_entropy", torch.float32, {**args, "dloss": torch.tensor(2.0)}, "dlogits")
+    assert grad.abs_floor == pytest.approx(r * (1 + n * 2.0))
+    silu = fx.call_tolerance("silu", torch.float32, {"x": logits}, "y")
+    assert silu.abs_floor == pytest.approx(r * (1 + ROUNDINGS["silu"] * 8.0))
+
+
+@pytest.mark.parametrize("kernel, case", [("rope", "llama_gqa"), ("silu", "wide")])
+def test_fixed_tolerance_still_fails_10_lsb_or_1_percent(fx, kernel: str, case: str) -> None:
+    """On a normal-size case the floor is no license: the backend's own result passes, the same
+    result with one element off by 10 LSB at the data's scale, or every element off by 1%, fails."""
+    spec = kpt.SPECS[kernel]
+    args = _draw(kernel, case, torch.float32)
+    outs = as_tuple(fx.call(kernel, **args))
+    refs = as_tuple(kpt.get_backend("reference").call(kernel, **{k: to_oracle(v) for k, v in args.items()}))
+    scale = data_scale(FIXED, args)
+    for name, out, ref in zip(spec.outputs, outs, refs):
+        tol = tolerance_for(fx, kernel, torch.float32, out, args=args, output=name)
+        assert compare(name, out, ref, tol).ok
+        off = out.clone()
+        off.view(-1)[0] += 10 * FIXED.lsb * scale
+        assert not compare(name, off, ref, tol).ok
+        assert not compare(name, out * 1.01, ref, tol).ok
 
 
 def test_attention_backward_holds_dp_of_a_long_head(fx) -> None:

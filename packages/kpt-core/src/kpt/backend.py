@@ -84,8 +84,10 @@ class Backend(abc.ABC):
     def call_tolerance(self, kernel: str, dtype: torch.dtype, args: Mapping[str, Any],
                        output: str) -> Tolerance | None:
         """`tolerance` for one call's ``output`` (a forward output's name, or ``d`` and an input's
-        name for a gradient), given the call's arguments: for bounds that depend on shapes (a
-        fixed-point error that grows with a contraction's length). The default ignores the call."""
+        name for a gradient), given the call's arguments (for a gradient also the upstream
+        gradients, each named ``d`` and its output's name): for bounds that depend on shapes or
+        magnitudes (a fixed-point error that grows with a contraction's length, or is absolute at
+        the scale of the data). The default ignores the call."""
         return self.tolerance(kernel, dtype)
 
     def perf_bar(self, kernel: str, mode: str) -> PerfBar | None:

@@ -98,14 +98,17 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> 
     finite_r = torch.where(torch.isfinite(r), r, 0.0)
     scale = float(finite_r.abs().max())
     err = (err - quantum).clamp_min(0.0)
-    allowed = tol.atol * scale + tol.rtol * finite_r.abs()
+    allowed = max(tol.atol * scale, tol.abs_floor) + tol.rtol * finite_r.abs()
     elem = float((err / allowed.clamp_min(torch.finfo(torch.float64).tiny)).max())
     norm_ref = float(torch.linalg.vector_norm(finite_r))
     rel = float(torch.linalg.vector_norm(err)) / norm_ref if norm_ref > 0 else float(err.max())
-    worst = max(elem, rel / tol.rel_norm)
+    # the floor on every element allows an error norm of abs_floor·√n
+    rel_norm = max(tol.rel_norm, tol.abs_floor * math.sqrt(o.numel()) / norm_ref) if norm_ref > 0 else tol.rel_norm
+    worst = max(elem, rel / rel_norm)
     ok = worst <= 1.0 and math.isfinite(worst)
-    msg = "" if ok else (f"{name}: relative error norm {rel:.3g} (allowed {tol.rel_norm:.3g}); worst element "
-                         f"at {elem:.3g}x its tolerance (atol {tol.atol:.3g}*max|ref|, rtol {tol.rtol:.3g})")
+    floor = f", at least {tol.abs_floor:.3g}" if tol.abs_floor else ""
+    msg = "" if ok else (f"{name}: relative error norm {rel:.3g} (allowed {rel_norm:.3g}); worst element "
+                         f"at {elem:.3g}x its tolerance (atol {tol.atol:.3g}*max|ref|{floor}, rtol {tol.rtol:.3g})")
     return Comparison(name, ok, worst, msg)
 
 
@@ -113,14 +116,17 @@ def tolerance_for(backend: Backend, kernel: str, dtype: torch.dtype, out: torch.
                   scale: float = 1.0, args: Args | None = None, output: str = "") -> Tolerance:
     """The backend's declared tolerance (`Backend.call_tolerance` when the call's ``args`` and the
     compared ``output``'s name are given), else the default table's for the dtype under test
-    (float8 outputs use the float8 row: their rounding dominates), widened by the case's scale."""
+    (float8 outputs use the float8 row: their rounding dominates), widened by the case's scale.
+    For a gradient, `check_backward` adds the upstream gradients to ``args``, each named ``d``
+    and its output's name (``dy``)."""
     key = out.dtype if out.dtype in _EXACT_FLOAT else dtype
     declared = (backend.tolerance(kernel, key) if args is None
                 else backend.call_tolerance(kernel, key, args, output))
     tol = declared or default_tolerance(key)
     if scale == 1.0:
         return tol
-    return Tolerance(tol.rel_norm * scale, tol.atol * scale, tol.rtol * scale, f"{tol.reason}; case x{scale}")
+    return Tolerance(tol.rel_norm * scale, tol.atol * scale, tol.rtol * scale, f"{tol.reason}; case x{scale}",
+                     tol.abs_floor * scale)
 
 
 def to_oracle(v: Any) -> Any:
@@ -209,6 +215,7 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
         got = torch.autograd.grad([o for o, _ in pairs], [leaves[n] for n in grad_names],
                                   [g for _, g in pairs], allow_unused=True)
     ref_pairs = [(o, g) for o, g in zip(ref_outs, grads) if g is not None and o.requires_grad]
+    upstream = {f"d{n}": g for n, o, g in zip(spec.outputs, ref_outs, grads) if g is not None and o.requires_grad}
     expected = torch.autograd.grad([o for o, _ in ref_pairs], [oracle[n] for n in grad_names],
                                    [g for _, g in ref_pairs], allow_unused=True)
     report.problems += _unchanged(leaves, before)
@@ -218,6 +225,6 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
         e = torch.zeros(leaf.shape, dtype=torch.float64, device=leaf.device) if e is None else e
         if g.dtype != leaf.dtype:
             report.problems.append(f"grad of '{name}' has dtype {g.dtype}, expected {leaf.dtype}")
-        tol = tolerance_for(backend, spec.name, dtype, g, tolerance_scale, args, f"d{name}")
+        tol = tolerance_for(backend, spec.name, dtype, g, tolerance_scale, {**args, **upstream}, f"d{name}")
         report.comparisons.append(compare(f"d{name}", g, e, tol))
     return report

@@ -7,6 +7,13 @@ and both
 * ``|out − ref| ≤ atol · max|ref| + rtol · |ref|`` for every element (``atol`` is relative to the
   tensor's largest magnitude, so one table serves tensors of any scale).
 
+``abs_floor`` (default 0: no floor) is an absolute error in the output's units that is always
+allowed: ``atol · max|ref|`` is raised to it, and ``rel_norm · ‖ref‖₂`` to ``abs_floor · √n`` (that
+floor on each of the n elements). It is for number formats whose error does not shrink with the
+result: a fixed-point backend states it from its format's step and the magnitudes of the call's
+inputs, so that an output that happens to be small (a lone value, a gradient times a small
+upstream gradient) is not held to a bound finer than the format's step.
+
 Differences up to the output dtype's spacing near zero (``finfo.tiny * finfo.eps``: float16's
 subnormal step, 6e-8) are not counted: no result stored in that dtype can be closer. Integer
 outputs (indices, offsets) must match exactly.
@@ -25,6 +32,7 @@ class Tolerance:
     atol: float
     rtol: float
     reason: str = ""
+    abs_floor: float = 0.0
 
 
 DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {

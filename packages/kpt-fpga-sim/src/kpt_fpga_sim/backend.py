@@ -144,15 +144,20 @@ class FpgaSimBackend(Backend):
     def call_tolerance(self, kernel: str, dtype: torch.dtype, args: Mapping[str, Any],
                        output: str) -> Tolerance | None:
         """`tolerance` for one call's ``output`` (`kpt.testing` asks this where it knows the
-        arguments): in fixed mode, an output computed through a weight of fan-in K is allowed
-        that weight's quantization error, `weight_roundings` (K), where it exceeds the kernel's
-        ``ROUNDINGS``."""
+        arguments; for a gradient they include the upstream gradients). In fixed mode, an output
+        computed through a weight of fan-in K is allowed that weight's quantization error,
+        `weight_roundings` (K), where it exceeds the kernel's ``ROUNDINGS``; and every output is
+        allowed those roundings at the scale of the call's data as an absolute error
+        (`data_scale`), however small the output itself turns out."""
         tol = self.tolerance(kernel, dtype)
+        if tol is None:
+            return None
+        roundings = ROUNDINGS[kernel]
         through = FAN_IN_WEIGHTS.get(kernel)
-        if tol is None or through is None or output not in through[1]:
-            return tol
-        fan_in = args[through[0]].shape[-1]
-        return fixed_tolerance(kernel, self.config.format, max(ROUNDINGS[kernel], weight_roundings(fan_in)))
+        if through is not None and output in through[1]:
+            roundings = max(roundings, weight_roundings(args[through[0]].shape[-1]))
+        fmt = self.config.format
+        return fixed_tolerance(kernel, fmt, roundings, data_scale(fmt, args, PROBABILITY_INPUTS.get(kernel, ())))
 
     def perf_bar(self, kernel: str, mode: str) -> PerfBar:
         """Simulation speed against the reference backend on the conformance shapes: at most 20x
@@ -205,17 +210,47 @@ unit-scale data), the declared intermediates (4 guard bits: 1/16 each), the tabl
 1 LSB of F + 4 bits) and the output's own rounding; contractions per `CONTRACTION_ROUNDINGS`."""
 
 
-def fixed_tolerance(kernel: str, fmt: ApFixed, roundings: float | None = None) -> Tolerance:
+PROBABILITY_INPUTS = {"softmax": ("x",), "cross_entropy": ("logits",)}
+"""Inputs that reach the outputs only through exp(z − max z), i.e. as probabilities of at most
+1: their magnitude does not scale the error (it would hide a wrong gradient of a mean loss)."""
+
+
+def data_scale(fmt: ApFixed, args: Mapping[str, Any], probabilities: tuple[str, ...] = ()) -> float | None:
+    """The scale of a call's data: the largest magnitude among its floating-point tensors (the
+    inputs, and for a gradient the upstream gradients), where `ROUNDINGS` assume 1; inputs named
+    in ``probabilities`` count as 1. None when the format does not hold the data: a value beyond
+    its range saturates (an error no count of roundings bounds; the call's report counts the
+    overflow), and data all below one LSB round to nothing."""
+    tensors = {n: v.detach() for n, v in args.items()
+               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
+    if any(float(v.abs().max()) > fmt.max_raw * fmt.lsb for v in tensors.values()):
+        return None
+    largest = max((1.0 if n in probabilities else float(v.abs().max()) for n, v in tensors.items()), default=0.0)
+    return largest if largest >= fmt.lsb else None
+
+
+def fixed_tolerance(kernel: str, fmt: ApFixed, roundings: float | None = None,
+                    scale: float | None = None) -> Tolerance:
     """The conformance tolerance of fixed mode: ``roundings`` (default ``ROUNDINGS[kernel]``)
-    roundings of r, as an absolute error on outputs of unit scale (so also relative to them)."""
+    roundings of r, as an absolute error on outputs of unit scale (so also relative to them).
+
+    With the scale S of the call's data (`data_scale`) it also states the absolute error those
+    roundings amount to, ``abs_floor`` = r · (1 + roundings · S): each rounding counted for
+    unit-scale data weighs at most the largest magnitude it is multiplied by, S, and the output's
+    own rounding weighs 1 whatever S is. So an output far below the data's scale (a lone small
+    value, a gradient times a small upstream gradient, a mean over many rows) is allowed the
+    error of the computation that produced it, not one relative to its own smallness."""
     r = fmt.lsb / 2 if fmt.rounds else fmt.lsb
     n = ROUNDINGS[kernel] if roundings is None else roundings
     bound = n * r
     base = default_tolerance(torch.float32)
+    floor = r * (1 + n * scale) if scale else 0.0
     return Tolerance(
         rel_norm=max(base.rel_norm, bound), atol=max(base.atol, bound), rtol=max(base.rtol, bound),
         reason=(f"{fmt}: {n:.3g} roundings of {r:g} ({'½ LSB' if fmt.rounds else '1 LSB'}, 1 LSB = 2^-{fmt.f}) "
-                f"reach an output of {kernel}, for outputs of unit scale"),
+                f"reach an output of {kernel}, for outputs of unit scale"
+                + (f"; at least {floor:.3g} for data of scale {scale:.3g}" if floor else "")),
+        abs_floor=floor,
     )
 
 

@@ -144,7 +144,7 @@ def _cases() -> list[Case]:
         case("single", x=(1, 1), n=1, bias=True),
         case("vector_x", x=(100,), n=17, activation="silu"),
         case("odd", x=(17, 3), n=33, bias=True, activation="silu"),
-        case("long_k", x=(3, 1000), n=17, bias=True, activation="relu"),
+        case("long_k", x=(3, 1000), n=17, bias=True, activation="silu"),
         case("k_4097", x=(2, 4097), n=3),
         case("strided", x=(33, 128), n=64, bias=True, activation="gelu", layout=strided),
         # a tied embedding's weight is often the transpose of a [K, N] buffer
