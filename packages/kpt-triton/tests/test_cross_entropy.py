@@ -7,6 +7,7 @@ import torch
 
 from conftest import check_kernel, device
 from kpt.spec import randn, strided
+from kpt.testing import to_device
 from kpt_triton import cross_entropy as k
 
 
@@ -69,7 +70,7 @@ def test_scale_rows_in_place(factor):
 def test_out_of_range_target_is_nan():
     args = _ce(torch.Generator().manual_seed(1), torch.float32, 3, 8, ignored=0.0, reduction="none")
     args["target"][1] = 8
-    args = {name: a.to(device()) if isinstance(a, torch.Tensor) else a for name, a in args.items()}
+    args = to_device(args, device())
     loss, _ = k.cross_entropy_fwd(*args.values(), False)
     assert loss[1].isnan() and not loss[0].isnan() and not loss[2].isnan()
 

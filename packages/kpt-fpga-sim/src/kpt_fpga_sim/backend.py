@@ -135,11 +135,15 @@ class FpgaSimBackend(Backend):
                     f"got {names}")
         return None
 
-    def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
+    def _fixed_format(self, kernel: str) -> ApFixed | None:
+        """The fixed-point format ``kernel`` computes in; None in float32 mode and for the
+        kernels that compute in floats in every mode."""
         fmt = self.config.format
-        if not isinstance(fmt, ApFixed) or kernel in FLOAT_ONLY:
-            return None
-        return fixed_tolerance(kernel, fmt)
+        return fmt if isinstance(fmt, ApFixed) and kernel not in FLOAT_ONLY else None
+
+    def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
+        fmt = self._fixed_format(kernel)
+        return None if fmt is None else fixed_tolerance(kernel, fmt)
 
     def call_tolerance(self, kernel: str, dtype: torch.dtype, args: Mapping[str, Any],
                        output: str) -> Tolerance | None:
@@ -149,14 +153,13 @@ class FpgaSimBackend(Backend):
         `weight_roundings` (K), where it exceeds the kernel's ``ROUNDINGS``; and every output is
         allowed those roundings at the scale of the call's data as an absolute error
         (`data_scale`), however small the output itself turns out."""
-        tol = self.tolerance(kernel, dtype)
-        if tol is None:
+        fmt = self._fixed_format(kernel)
+        if fmt is None:
             return None
         roundings = ROUNDINGS[kernel]
         through = FAN_IN_WEIGHTS.get(kernel)
         if through is not None and output in through[1]:
             roundings = max(roundings, weight_roundings(args[through[0]].shape[-1]))
-        fmt = self.config.format
         return fixed_tolerance(kernel, fmt, roundings, data_scale(fmt, args, PROBABILITY_INPUTS.get(kernel, ())))
 
     def perf_bar(self, kernel: str, mode: str) -> PerfBar:
@@ -221,11 +224,11 @@ def data_scale(fmt: ApFixed, args: Mapping[str, Any], probabilities: tuple[str, 
     in ``probabilities`` count as 1. None when the format does not hold the data: a value beyond
     its range saturates (an error no count of roundings bounds; the call's report counts the
     overflow), and data all below one LSB round to nothing."""
-    tensors = {n: v.detach() for n, v in args.items()
-               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
-    if any(float(v.abs().max()) > fmt.max_raw * fmt.lsb for v in tensors.values()):
+    magnitudes = {n: float(v.detach().abs().max()) for n, v in args.items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
+    if any(m > fmt.max_raw * fmt.lsb for m in magnitudes.values()):
         return None
-    largest = max((1.0 if n in probabilities else float(v.abs().max()) for n, v in tensors.items()), default=0.0)
+    largest = max((1.0 if n in probabilities else m for n, m in magnitudes.items()), default=0.0)
     return largest if largest >= fmt.lsb else None
 
 
