@@ -167,3 +167,22 @@ def test_bad_input_messages_say_what_was_given() -> None:
     q, k, v = _qkv(1, 1, 1, 4, 4, 8)
     with pytest.raises(kpt.KernelInputError, match=r"argument 'q' has head dimension 8 .*16\.\.256"):
         REF.attention(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_problems_are_computed_in_chunks_with_the_same_result(monkeypatch, causal: bool) -> None:
+    """Above `SCORES_PER_CHUNK` the reference works per batch entry and group of key/value heads
+    (bounded memory at real shapes); the result must not depend on it."""
+    from kpt.kernels import attention
+
+    q, k, v = _qkv(3, 8, 4, 33, 41, 16)
+    do = torch.randn_like(q)
+    whole = attention.attention_forward(q, k, v, causal, 0.25)
+    grads = attention.attention_backward(q, k, v, causal, 0.25, whole[0], whole[1], do)
+    # two query heads (one key/value head) per chunk: 12 chunks
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 2 * 33 * 41)
+    chunked = attention.attention_forward(q, k, v, causal, 0.25)
+    chunked_grads = attention.attention_backward(q, k, v, causal, 0.25, chunked[0], chunked[1], do)
+    for got, want in zip(chunked + chunked_grads, whole + grads, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .linear import DOT_FP32, dot, dot_precision
+from .tiling import cdiv, next_pow2
 
 _LOG2E = 1.4426950408889634
 LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
@@ -362,7 +363,7 @@ def _tiles(
     head_dim: int, dtype: torch.dtype, tiles: TilesByHeadDim | None, backward: bool
 ) -> tuple[int, Tiles]:
     """The padded head dim and the tiles of one launch."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     if tiles is not None and dtype != torch.float32 and block_d in tiles:
         return block_d, tiles[block_d]
     return block_d, _portable_tiles(block_d, dtype, backward)
@@ -384,7 +385,7 @@ def attention_fwd(
     if o.numel() == 0:
         return o, lse
     block_d, t = _tiles(D, q.dtype, tiles, backward=False)
-    _attn_fwd_kernel[(triton.cdiv(Sq, t.block_m), B * Hq)](
+    _attn_fwd_kernel[(cdiv(Sq, t.block_m), B * Hq)](
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(),
         Hq, Hq // Hkv, Sq, Skv, scale * _LOG2E,
@@ -419,17 +420,17 @@ def attention_bwd(
               "num_warps": t.num_warps, "num_stages": t.num_stages}
     delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if dq.numel() > 0:
-        _attn_bwd_delta_kernel[(triton.cdiv(Sq, t.block_m), B * Hq)](
+        _attn_bwd_delta_kernel[(cdiv(Sq, t.block_m), B * Hq)](
             o, do, delta, *do.stride(), Hq, Sq,
             HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_D=block_d, num_warps=t.num_warps,
         )
-        _attn_bwd_dq_kernel[(triton.cdiv(Sq, t.block_m), B * Hq)](
+        _attn_bwd_dq_kernel[(cdiv(Sq, t.block_m), B * Hq)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             Hq, Hq // Hkv, Sq, Skv, scale, scale * _LOG2E, **common,
         )
     if dk.numel() > 0:
-        _attn_bwd_dkdv_kernel[(triton.cdiv(Skv, t.block_n), B * Hkv)](
+        _attn_bwd_dkdv_kernel[(cdiv(Skv, t.block_n), B * Hkv)](
             q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             Hkv, Hq // Hkv, Sq, Skv, scale, scale * _LOG2E, **common,

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import persistent_programs, warps
+from .tiling import cdiv, next_pow2, persistent_programs, warps
 
 
 @triton.jit
@@ -126,7 +126,7 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
         if write_loss:
             loss.zero_()
         return
-    block = min(triton.next_power_of_2(v), block_v)
+    block = min(next_pow2(v), block_v)
     _cross_entropy_kernel[(persistent_programs(n, z.device, programs_per_sm),)](
         z, target, bias, grad, loss, lse, dz, n, v,
         z.stride(0), z.stride(1), grad.stride(0) if grad is not None and grad.dim() else 0,
@@ -181,8 +181,8 @@ def scale_rows_(x, g, *, block: int = 8192, programs_per_sm: int = 4):
     if x.numel():
         x2 = x.view(1, -1) if g.dim() == 0 else x.view(x.shape[0], -1)
         r, d = x2.shape
-        block_d = min(triton.next_power_of_2(d), block)
-        tiles = r * triton.cdiv(d, block_d)
+        block_d = min(next_pow2(d), block)
+        tiles = r * cdiv(d, block_d)
         _scale_rows_kernel[(persistent_programs(tiles, x.device, programs_per_sm),)](
             x2, g, r, d, g.stride(0) if g.dim() else 0, BLOCK_D=block_d, num_warps=warps(block_d, 512))
     return x

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import as_rows, load_tile, persistent_programs, row_tiling, tile_of, tiles, warps
+from .tiling import as_rows, cdiv, load_tile, next_pow2, persistent_programs, row_tiling, tile_of, tiles, warps
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def quantize_fp8_fwd(x, granularity, fp8_dtype, *, max_block: int = 16384, tile_
         scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
         block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
         if n_rows:
-            _quantize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
+            _quantize_rows_kernel[(cdiv(n_rows, block_r),)](
                 x2, xq.view(torch.uint8), scale, n_rows, d, *x2.stride(), **fmt,
                 BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
             )
@@ -227,7 +227,7 @@ def quantize_fp8_fwd(x, granularity, fp8_dtype, *, max_block: int = 16384, tile_
                               num_warps=num_warps)
     _quantize_tensor_kernel[(n_tiles,)](
         x2, xq.view(torch.uint8), partial, scale, r, d, programs, *x2.stride(), **fmt,
-        BLOCK_P=triton.next_power_of_2(programs), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_P=next_pow2(programs), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
     )
     return xq, scale
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import load_tile, load_vector, persistent_programs, row_tiling, store_output, warps
+from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, store_output, warps
 
 
 @triton.jit
@@ -56,41 +56,44 @@ def _layer_norm_fwd_kernel(
     mean = tl.sum(x0, axis=1) / count
     centred = tl.where(mask0, x0 - mean[:, None], 0.0)
     m2 = tl.sum(centred * centred, axis=1)
-    for c in range(BLOCK_D, D, BLOCK_D):
-        mask = row_ok[:, None] & (c + cols < D)[None, :]
-        x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-        n = tl.minimum(D - c, BLOCK_D).to(tl.float32)
-        chunk_mean = tl.sum(x, axis=1) / n
-        centred = tl.where(mask, x - chunk_mean[:, None], 0.0)
-        delta = chunk_mean - mean
-        total = count + n
-        mean += delta * (n / total)
-        m2 += tl.sum(centred * centred, axis=1) + delta * delta * (count * n / total)
-        count = total
+    if not ONE_CHUNK:
+        for c in range(BLOCK_D, D, BLOCK_D):
+            mask = row_ok[:, None] & (c + cols < D)[None, :]
+            x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
+            n = tl.minimum(D - c, BLOCK_D).to(tl.float32)
+            chunk_mean = tl.sum(x, axis=1) / n
+            chunk_centred = tl.where(mask, x - chunk_mean[:, None], 0.0)
+            delta = chunk_mean - mean
+            total = count + n
+            mean += delta * (n / total)
+            m2 += tl.sum(chunk_centred * chunk_centred, axis=1) + delta * delta * (count * n / total)
+            count = total
     rstd = 1.0 / tl.sqrt(m2 / tl.maximum(D, 1).to(tl.float32) + eps)
     tl.store(MEAN + rows, mean, mask=row_ok)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
     y_rows = (Y + rows * D)[:, None]
     if ONE_CHUNK:
-        _store_normalized(y_rows, x0, mean, rstd, w0, b0, cols, mask0, HAS_WEIGHT, HAS_BIAS, STREAM)
+        _store_normalized(y_rows, centred, rstd, w0, b0, cols, mask0, HAS_WEIGHT, HAS_BIAS, STREAM)
     else:
         for c in range(0, D, BLOCK_D):
             mask = row_ok[:, None] & (c + cols < D)[None, :]
             if c == 0:
-                _store_normalized(y_rows, x0, mean, rstd, w0, b0, cols, mask, HAS_WEIGHT, HAS_BIAS, STREAM)
+                _store_normalized(y_rows, x0 - mean[:, None], rstd, w0, b0, cols, mask, HAS_WEIGHT, HAS_BIAS, STREAM)
             else:
                 x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
                 w = load_vector(W, c + cols, D) if HAS_WEIGHT else None
                 b = load_vector(B, c + cols, D) if HAS_BIAS else None
-                _store_normalized(y_rows + c, x, mean, rstd, w, b, cols, mask, HAS_WEIGHT, HAS_BIAS, STREAM)
+                _store_normalized(y_rows + c, x - mean[:, None], rstd, w, b, cols, mask, HAS_WEIGHT, HAS_BIAS,
+                                  STREAM)
 
 
 @triton.jit
-def _store_normalized(Y_ROWS, x, mean, rstd, w, b, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _store_normalized(Y_ROWS, centred, rstd, w, b, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       STREAM: tl.constexpr):
-    """``y = (x − mean) · rstd · w + b`` stored at ``Y_ROWS + cols`` (one pointer per row)."""
-    y = (x - mean[:, None]) * rstd[:, None]
+    """``y = centred · rstd · w + b`` (``centred`` = x − mean) stored at ``Y_ROWS + cols`` (one
+    pointer per row)."""
+    y = centred * rstd[:, None]
     if HAS_WEIGHT:
         y *= w[None, :]
     if HAS_BIAS:
@@ -127,7 +130,9 @@ def _layer_norm_bwd_kernel(
         mask0 = row_ok[:, None] & (cols < D)[None, :]
         xhat0 = tl.where(mask0, (load_tile(X, rows, cols, stride_xr, stride_xc, mask0) - mean) * rstd, 0.0)
         dy0 = load_tile(DY, rows, cols, stride_dyr, stride_dyc, mask0)
-        g0 = dy0 * w0[None, :] if HAS_WEIGHT else dy0
+        # g = dy · w goes through a select, which no multiply-add can fuse across: dx needs
+        # g − mean(g) of the *rounded* products (one column: exactly 0), not an FMA's exact product
+        g0 = tl.where(mask0, dy0 * w0[None, :], 0.0) if HAS_WEIGHT else dy0
         sum_g = tl.sum(g0, axis=1)
         sum_gx = tl.sum(g0 * xhat0, axis=1)
         for c in range(BLOCK_D, D, BLOCK_D):
@@ -187,7 +192,7 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     if n_rows:
-        _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        _layer_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
             x2, weight, bias, y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
@@ -206,7 +211,7 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 
     dy2 = rows(dy)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
-    programs = persistent_programs(triton.cdiv(n_rows, block_r), x.device, programs_per_sm)
+    programs = persistent_programs(cdiv(n_rows, block_r), x.device, programs_per_sm)
     # Rows wider than one chunk add into the partial buffers, so they must start at zero.
     alloc = torch.zeros if d > block_d else torch.empty
     parts = [alloc((programs, d) if p is not None else (0,), dtype=torch.float32, device=x.device)

@@ -29,6 +29,7 @@ import triton.language as tl
 from kpt.spec import rows
 
 from .activations import _act
+from .tiling import cdiv
 
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 """Promote dot operands to float32: set under the Triton interpreter, whose dot has no 16-bit types."""
@@ -141,7 +142,7 @@ def linear_fwd(
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
     pre = torch.empty(shape, dtype=x.dtype, device=x.device)
     if y.numel():
-        _linear_fwd_kernel[(triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)](
+        _linear_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
             x2, weight, bias, y, pre, M, N, K, *x2.stride(), *weight.stride(),
             HAS_BIAS=bias is not None, ACTIVATION=activation,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
@@ -171,7 +172,7 @@ def linear_bwd(
     if activation is not None:
         dpre = torch.empty((M, N), dtype=x.dtype, device=x.device)
         if dpre.numel():
-            _activation_bwd_kernel[(triton.cdiv(M, block[0]), triton.cdiv(N, block[1]))](
+            _activation_bwd_kernel[(cdiv(M, block[0]), cdiv(N, block[1]))](
                 dy2, pre, dpre, M, N, *dy2.stride(),
                 ACTIVATION=activation, BLOCK_M=block[0], BLOCK_N=block[1],
             )

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .linear import DOT_FP32, dot, dot_precision
+from .tiling import cdiv, next_pow2
 
 
 @triton.jit
@@ -316,7 +317,7 @@ def _grouped_wgrad_kernel(
 
 def _row_block(width: int, tile_elems: int) -> tuple[int, int]:
     """``(BLOCK_T, BLOCK_W)``: whole rows of ``width`` columns, about ``tile_elems`` per program."""
-    block_w = triton.next_power_of_2(max(width, 1))
+    block_w = next_pow2(max(width, 1))
     return max(1, tile_elems // block_w), block_w
 
 
@@ -330,10 +331,10 @@ def moe_gating_fwd(
     if T == 0:
         return weights, indices
     block_t, block_e = _row_block(E, tile_elems)
-    _moe_gating_fwd_kernel[(triton.cdiv(T, block_t),)](
+    _moe_gating_fwd_kernel[(cdiv(T, block_t),)](
         logits, weights, indices, T, E, *logits.stride(),
         K=k, RENORMALIZE=renormalize, WIDE=logits.element_size() > 2,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(k), num_warps=num_warps,
     )
     return weights, indices
 
@@ -351,9 +352,9 @@ def moe_gating_bwd(
     if T == 0:
         return (dlogits,)
     block_t, block_e = _row_block(E, tile_elems)
-    _moe_gating_bwd_kernel[(triton.cdiv(T, block_t),)](
+    _moe_gating_bwd_kernel[(cdiv(T, block_t),)](
         logits, weights, indices, dweights, dlogits, T, E, *logits.stride(), *dweights.stride(),
-        K=k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+        K=k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(k),
         num_warps=num_warps,
     )
     return (dlogits,)
@@ -375,8 +376,8 @@ def moe_dispatch_fwd(
     if P == 0:
         return x_sorted, torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device), order
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=x.device)
-    num_blocks = triton.cdiv(P, block_pairs)
-    block_e = min(block_e, triton.next_power_of_2(num_experts))
+    num_blocks = cdiv(P, block_pairs)
+    block_e = min(block_e, next_pow2(num_experts))
     counts = torch.empty((num_experts, num_blocks), dtype=torch.int32, device=x.device)
     _moe_count_kernel[(num_blocks,)](
         indices, counts, P, num_experts, k, num_blocks, *indices.stride(),
@@ -386,7 +387,7 @@ def moe_dispatch_fwd(
     _moe_scatter_kernel[(num_blocks,)](
         x, indices, counts, cumsum, x_sorted, order, offsets,
         P, num_experts, k, H, num_blocks, *x.stride(), *indices.stride(),
-        BLOCK_P=block_pairs, BLOCK_H=min(block_h, triton.next_power_of_2(max(H, 1))), BLOCK_E=block_e,
+        BLOCK_P=block_pairs, BLOCK_H=min(block_h, next_pow2(max(H, 1))), BLOCK_E=block_e,
         num_warps=num_warps,
     )
     return x_sorted, offsets, order
@@ -396,7 +397,7 @@ def _inverse(order: torch.Tensor, *, block: int = 1024) -> torch.Tensor:
     """``inverse[order[r]] = r``: the sorted row of every pair."""
     inverse = torch.empty_like(order)
     if order.numel():
-        _invert_kernel[(triton.cdiv(order.numel(), block),)](order, inverse, order.numel(), BLOCK=block)
+        _invert_kernel[(cdiv(order.numel(), block),)](order, inverse, order.numel(), BLOCK=block)
     return inverse
 
 
@@ -407,9 +408,9 @@ def _gather_sum(src: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | 
     out = torch.empty((tokens, H), dtype=out_dtype, device=src.device)
     if out.numel() == 0:
         return out
-    block_h = min(block_h, triton.next_power_of_2(H))
+    block_h = min(block_h, next_pow2(H))
     w_strides = weights.stride() if weights is not None else (0, 0)
-    _gather_sum_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(H, block_h))](
+    _gather_sum_kernel[(cdiv(tokens, block_t), cdiv(H, block_h))](
         src, _inverse(order), weights, out, tokens, k, H, *src.stride(), *w_strides,
         HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
@@ -453,10 +454,10 @@ def moe_combine_bwd(
     dweights = new((T, k), dtype=weights.dtype, device=weights.device)
     if dy is None or P == 0:
         return dy_sorted, dweights
-    _moe_combine_bwd_kernel[(triton.cdiv(P, block_r),)](
+    _moe_combine_bwd_kernel[(cdiv(P, block_r),)](
         y_sorted, order, weights, dy, dy_sorted, dweights, P, k, H,
         *y_sorted.stride(), *weights.stride(), *dy.stride(),
-        BLOCK_R=block_r, BLOCK_H=min(block_h, triton.next_power_of_2(max(H, 1))), num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(max(H, 1))), num_warps=num_warps,
     )
     return dy_sorted, dweights
 
@@ -471,10 +472,10 @@ def _grouped_mm(
     c = torch.empty((M, n), dtype=a.dtype, device=a.device)
     if c.numel() == 0:
         return c
-    grid = ((triton.cdiv(M, block_m) + E) * triton.cdiv(n, block_n),)
+    grid = ((cdiv(M, block_m) + E) * cdiv(n, block_n),)
     _grouped_mm_kernel[grid](
         a, b, c, offsets, n, K, E, *a.stride(), *b_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_pow2(E),
         DOT_FP32=DOT_FP32, PRECISION=dot_precision(a.dtype, fp32_precision),
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -510,7 +511,7 @@ def grouped_linear_bwd(
     dx = _grouped_mm(dy, offsets, weight, weight.stride(), K, **tiles)
     dweight = torch.empty((E, N, K), dtype=weight.dtype, device=weight.device)
     if dweight.numel():
-        _grouped_wgrad_kernel[(E, triton.cdiv(N, block_n) * triton.cdiv(K, block_k))](
+        _grouped_wgrad_kernel[(E, cdiv(N, block_n) * cdiv(K, block_k))](
             dy, x_sorted, dweight, offsets, N, K, *dy.stride(), *x_sorted.stride(),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_FP32=DOT_FP32, PRECISION=dot_precision(dy.dtype, fp32_precision),

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import load_tile, load_vector, persistent_programs, row_tiling, warps
+from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, warps
 
 
 @triton.jit
@@ -49,6 +49,7 @@ def _rms_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # D <= BLOCK_D: no chunk loops are compiled in
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < R
@@ -58,28 +59,35 @@ def _rms_norm_fwd_kernel(
     mask0 = row_ok[:, None] & (cols < D)[None, :]
     h0 = _load_h(X, RES, H, rows, cols, D, stride_xr, stride_xc, stride_rr, stride_rc, mask0, HAS_RESIDUAL)
     sumsq = tl.sum(h0 * h0, axis=1)
-    for c in range(BLOCK_D, D, BLOCK_D):
-        mask = row_ok[:, None] & (c + cols < D)[None, :]
-        h = _load_h(X, RES, H, rows, c + cols, D, stride_xr, stride_xc, stride_rr, stride_rc, mask,
-                    HAS_RESIDUAL)
-        sumsq += tl.sum(h * h, axis=1)
+    if not ONE_CHUNK:
+        for c in range(BLOCK_D, D, BLOCK_D):
+            mask = row_ok[:, None] & (c + cols < D)[None, :]
+            h = _load_h(X, RES, H, rows, c + cols, D, stride_xr, stride_xc, stride_rr, stride_rc, mask,
+                        HAS_RESIDUAL)
+            sumsq += tl.sum(h * h, axis=1)
     # an empty row (D = 0) keeps a finite rstd: its mean square is taken as 0
     rstd = 1.0 / tl.sqrt(sumsq / tl.maximum(D, 1).to(tl.float32) + eps)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
     # Pass 2: normalize. Later chunks are read again (from H, one read instead of two, if written).
-    for c in range(0, D, BLOCK_D):
-        mask = row_ok[:, None] & (c + cols < D)[None, :]
-        if c == 0:
-            h = h0
-        elif HAS_RESIDUAL:
-            h = load_tile(H, rows, c + cols, D, 1, mask)
-        else:
-            h = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-        y = h * rstd[:, None]
-        if HAS_WEIGHT:
-            y *= load_vector(W, c + cols, D)[None, :]
-        tl.store(Y + rows[:, None] * D + c + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    _store_rms_normalized(Y, W, rows, cols, D, h0, rstd, mask0, HAS_WEIGHT)
+    if not ONE_CHUNK:
+        for c in range(BLOCK_D, D, BLOCK_D):
+            mask = row_ok[:, None] & (c + cols < D)[None, :]
+            if HAS_RESIDUAL:
+                h = load_tile(H, rows, c + cols, D, 1, mask)
+            else:
+                h = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
+            _store_rms_normalized(Y, W, rows, c + cols, D, h, rstd, mask, HAS_WEIGHT)
+
+
+@triton.jit
+def _store_rms_normalized(Y, W, rows, cols, D, h, rstd, mask, HAS_WEIGHT: tl.constexpr):
+    """``y = h · rstd · w`` stored at columns ``cols`` of the contiguous ``[R, D]`` output."""
+    y = h * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= load_vector(W, cols, D)[None, :]
+    tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -154,11 +162,12 @@ def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
     res2 = rows(residual) if residual is not None else x2
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     if n_rows:
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        _rms_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
             x2, res2, weight, y, h, rstd, n_rows, d,
             x2.stride(0), x2.stride(1), res2.stride(0), res2.stride(1), eps,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
+            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
+            num_warps=warps(block_r * block_d, elems_per_warp),
         )
     return y, h, rstd
 
@@ -170,7 +179,7 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
     dh2 = rows(dh) if dh is not None else h2
     dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
-    programs = persistent_programs(triton.cdiv(n_rows, block_r), h.device, programs_per_sm)
+    programs = persistent_programs(cdiv(n_rows, block_r), h.device, programs_per_sm)
     # Rows wider than one chunk add into the partial buffer, so it must start at zero.
     part = (torch.zeros if d > block_d else torch.empty)(
         (programs, d) if weight is not None else (0,), dtype=torch.float32, device=h.device)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import store_output, warps
+from .tiling import cdiv, next_pow2, store_output, warps
 
 
 @triton.jit
@@ -88,13 +88,13 @@ def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
     b, _, s, d = t0.shape
     # a shared table is the per-batch table with batch stride 0
     cos3, sin3 = (cos, sin) if cos.dim() == 3 else (cos.expand(b, s, d), sin.expand(b, s, d))
-    block_half = triton.next_power_of_2(max(d // 2, 1))
-    block_s = max(1, min(triton.next_power_of_2(max(s, 1)), tile_elems // (2 * block_half)))
+    block_half = next_pow2(max(d // 2, 1))
+    block_s = max(1, min(next_pow2(max(s, 1)), tile_elems // (2 * block_half)))
     # an absent tensor runs no program: it stands in for itself with its head count set to 0
     heads = [0 if t is None else t.shape[1] for t in (q, k)]
     ts = [t0 if t is None else t for t in (q, k)]
     os_ = [ts[i] if o is None else o for i, o in enumerate(outs)]
-    tiles = [b * h * triton.cdiv(s, block_s) for h in heads]
+    tiles = [b * h * cdiv(s, block_s) for h in heads]
     if sum(tiles):
         _rope_kernel[(sum(tiles),)](
             ts[0], ts[1], cos3, sin3, os_[0], os_[1], heads[0], heads[1], s, d // 2, tiles[0],

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import row_tiling, store_output, warps
+from .tiling import cdiv, row_tiling, store_output, warps
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, tile_elems: int = 2048,
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     n_rows = outer * inner
     if n_rows and d:
-        _softmax_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        _softmax_fwd_kernel[(cdiv(n_rows, block_r),)](
             x3, y, n_rows, d, inner, *x3.stride(),
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
             num_warps=warps(block_r * block_d, elems_per_warp),
@@ -155,7 +155,7 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, tile_elems: int = 2048
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     n_rows = outer * inner
     if n_rows and d:
-        _softmax_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        _softmax_bwd_kernel[(cdiv(n_rows, block_r),)](
             y3, dy3, dx, n_rows, d, inner, *y3.stride(), *dy3.stride(),
             BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
         )

@@ -18,6 +18,7 @@ Backward, with dO the gradient of o:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -92,28 +93,60 @@ def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(s - lse.clamp(min=torch.finfo(lse.dtype).min)[..., None])
 
 
+SCORES_PER_CHUNK = 1 << 27
+"""The reference materializes at most this many scores at a time (1 GiB in float64): a larger
+problem is computed by batch entries and groups of key/value heads, one after another."""
+
+
+def _by_chunks(fn: Callable[..., tuple[Tensor, ...]], q: Tensor, k: Tensor, *per_query: Tensor,
+               per_key: tuple[Tensor, ...] = ()) -> tuple[Tensor, ...]:
+    """``fn(q, k, *per_query, *per_key)`` on slices of batch entries and key/value heads, with
+    the results (laid out like q, then like k) concatenated back; one call when it is small."""
+    batch, hq, sq, _ = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    heads = max(1, min(hkv, SCORES_PER_CHUNK // max(group * sq * skv, 1)))
+    if batch <= 1 and heads == hkv:
+        return fn(q, k, *per_query, *per_key)
+    rows = []
+    for b in range(batch):
+        parts = [fn(q[b:b + 1, h * group:(h + heads) * group], k[b:b + 1, h:h + heads],
+                    *(t[b:b + 1, h * group:(h + heads) * group] for t in per_query),
+                    *(t[b:b + 1, h:h + heads] for t in per_key)) for h in range(0, hkv, heads)]
+        rows.append([torch.cat(outs, dim=1) for outs in zip(*parts)])
+    return tuple(torch.cat(outs, dim=0) for outs in zip(*rows))
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Returns ``(o, lse)``; ``lse`` is ``[B, Hq, Sq]`` in float32 (float64 for float64 input)."""
-    s, _, _ = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, -1)
-    o = _probabilities(s, lse) @ v.to(s.dtype)[:, :, None]
-    return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
+
+    def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        s, _, _ = _scores(q, k, causal, scale)
+        lse = torch.logsumexp(s, -1)
+        o = _probabilities(s, lse) @ v.to(s.dtype)[:, :, None]
+        return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
+
+    return _by_chunks(forward, q, k, per_key=(v,))
 
 
 def attention_backward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, o: Tensor, lse: Tensor, do: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v``."""
-    s, qg, kg = _scores(q, k, causal, scale)
-    p = _probabilities(s, lse.reshape(s.shape[:-1]))
-    dog = do.to(s.dtype).reshape(qg.shape)
-    vg = v.to(s.dtype)[:, :, None]
-    dv = (p.transpose(-1, -2) @ dog).sum(2)
-    dp = dog @ vg.transpose(-1, -2)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-    dq = (ds @ kg) * scale
-    dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
-    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def backward(q: Tensor, k: Tensor, lse: Tensor, do: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s, qg, kg = _scores(q, k, causal, scale)
+        p = _probabilities(s, lse.reshape(s.shape[:-1]))
+        dog = do.to(s.dtype).reshape(qg.shape)
+        vg = v.to(s.dtype)[:, :, None]
+        dv = (p.transpose(-1, -2) @ dog).sum(2)
+        dp = dog @ vg.transpose(-1, -2)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        dq = (ds @ kg) * scale
+        dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    return _by_chunks(backward, q, k, lse, do, per_key=(v,))
 
 
 def visible_pairs(sq: int, skv: int, causal: bool) -> int:
