@@ -317,7 +317,7 @@ def _grouped_wgrad_kernel(
 
 def _row_block(width: int, tile_elems: int) -> tuple[int, int]:
     """``(BLOCK_T, BLOCK_W)``: whole rows of ``width`` columns, about ``tile_elems`` per program."""
-    block_w = next_pow2(max(width, 1))
+    block_w = next_pow2(width)
     return max(1, tile_elems // block_w), block_w
 
 
@@ -387,7 +387,7 @@ def moe_dispatch_fwd(
     _moe_scatter_kernel[(num_blocks,)](
         x, indices, counts, cumsum, x_sorted, order, offsets,
         P, num_experts, k, H, num_blocks, *x.stride(), *indices.stride(),
-        BLOCK_P=block_pairs, BLOCK_H=min(block_h, next_pow2(max(H, 1))), BLOCK_E=block_e,
+        BLOCK_P=block_pairs, BLOCK_H=min(block_h, next_pow2(H)), BLOCK_E=block_e,
         num_warps=num_warps,
     )
     return x_sorted, offsets, order
@@ -457,7 +457,7 @@ def moe_combine_bwd(
     _moe_combine_bwd_kernel[(cdiv(P, block_r),)](
         y_sorted, order, weights, dy, dy_sorted, dweights, P, k, H,
         *y_sorted.stride(), *weights.stride(), *dy.stride(),
-        BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(max(H, 1))), num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(H)), num_warps=num_warps,
     )
     return dy_sorted, dweights
 

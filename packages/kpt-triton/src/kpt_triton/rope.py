@@ -88,8 +88,8 @@ def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
     b, _, s, d = t0.shape
     # a shared table is the per-batch table with batch stride 0
     cos3, sin3 = (cos, sin) if cos.dim() == 3 else (cos.expand(b, s, d), sin.expand(b, s, d))
-    block_half = next_pow2(max(d // 2, 1))
-    block_s = max(1, min(next_pow2(max(s, 1)), tile_elems // (2 * block_half)))
+    block_half = next_pow2(d // 2)
+    block_s = max(1, min(next_pow2(s), tile_elems // (2 * block_half)))
     # an absent tensor runs no program: it stands in for itself with its head count set to 0
     heads = [0 if t is None else t.shape[1] for t in (q, k)]
     ts = [t0 if t is None else t for t in (q, k)]

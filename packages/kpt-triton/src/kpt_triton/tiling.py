@@ -40,13 +40,13 @@ def next_pow2(n: int) -> int:
 def row_tiling(d: int, *, max_block: int, tile_elems: int) -> tuple[int, int]:
     """``(BLOCK_R, BLOCK_D)`` for rows of ``d`` columns: whole rows up to ``max_block`` columns,
     then enough rows per tile to reach about ``tile_elems`` elements."""
-    block_d = min(next_pow2(max(d, 1)), max_block)
+    block_d = min(next_pow2(d), max_block)
     return max(1, tile_elems // block_d), block_d
 
 
 def warps(tile: int, elems_per_warp: int, max_warps: int = 16) -> int:
     """A power-of-two warp count giving each warp about ``elems_per_warp`` elements of a tile."""
-    return max(1, min(max_warps, next_pow2(max(1, tile // elems_per_warp))))
+    return max(1, min(max_warps, next_pow2(tile // elems_per_warp)))
 
 
 def as_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
