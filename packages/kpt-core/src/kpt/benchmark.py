@@ -219,9 +219,14 @@ def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, 
     nbytes = spec.min_bytes(values, got)
     flops = spec.flops(values)
     if mode == "fwd+bwd":
-        # the backward reads the inputs and the output gradients once and writes the input gradients
         grads = [values[n] for n in spec.differentiable if isinstance(values[n], torch.Tensor)]
-        nbytes += spec.min_bytes(values, got) + nbytes_of(*grads)
+        if spec.needs_grad_arg:
+            # the forward can prepare the gradients while it reads the inputs: each gradient
+            # written once is all the backward adds
+            nbytes += nbytes_of(*grads)
+        else:
+            # the backward reads the inputs and the output gradients once and writes the input gradients
+            nbytes += spec.min_bytes(values, got) + nbytes_of(*grads)
         flops *= 3  # a product's backward is two products of the forward's size
 
     seconds = result.ms["backend"] / 1e3

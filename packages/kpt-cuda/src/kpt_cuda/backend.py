@@ -1,9 +1,9 @@
 """`CudaBackend`: the portable Triton kernels of kpt-triton, tuned per NVIDIA architecture.
 
 Only wiring: the kernel bodies come from ``kpt_triton``, and each body gets the tuning of the
-GPU it runs on, looked up at its first call. (A CUDA C top-k gating launched through CuPy was
-measured and dropped: 46 µs against 12 µs for the Triton kernel on an H100; a vendor-native body
-belongs here only where it beats the portable one.)
+GPU it runs on, looked up at its first call. Where CuPy can run it, a vendor-native body in
+CUDA C replaces the portable one of the same kernel: only where it measured faster (a CUDA C
+top-k gating was dropped: 46 µs against 12 µs for the Triton kernel on an H100).
 """
 
 from __future__ import annotations
@@ -29,12 +29,17 @@ from kpt_triton import (
     softmax,
 )
 
+from . import cross_entropy as native_cross_entropy
 from . import device, tuning
 
 KERNEL_MODULES = (
     rms_norm, layer_norm, softmax, activations, rope, attention, linear, cross_entropy, moe, fp8,
 )
 """The portable kernel bodies."""
+
+NATIVE_MODULES = (native_cross_entropy,)
+"""Vendor-native bodies (CUDA C through CuPy) that replace the portable ones of the same kernel
+where CuPy and a GPU are present; elsewhere the Triton bodies run."""
 
 
 MEMORY_BOUND = ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "gelu", "silu", "swiglu", "geglu", "rope",
@@ -70,9 +75,10 @@ class CudaBackend(kpt.Backend):
         return device.status()
 
     def kernels(self) -> dict[str, kpt.Kernel]:
+        native = () if device.interpreted() else tuple(m for m in NATIVE_MODULES if m.available())
         return {
             name: kpt.Kernel(_Tuned(k.forward), _Tuned(k.backward) if k.backward is not None else None)
-            for name, k in kpt.kernels_from(*KERNEL_MODULES).items()
+            for name, k in kpt.kernels_from(*KERNEL_MODULES, *native).items()
         }
 
     def perf_bar(self, kernel: str, mode: str) -> kpt.PerfBar:

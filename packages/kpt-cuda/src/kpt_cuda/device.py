@@ -7,6 +7,7 @@ interpreter runs the kernels on CPU tensors.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -63,6 +64,20 @@ def sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+@functools.cache
+def cupy_version() -> str | None:
+    """CuPy's version when it imports and sees a CUDA GPU, so that the vendor-native (CUDA C)
+    kernels can run; else None."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        return cupy.__version__ if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return None
+
+
 def facts() -> dict[str, str]:
     """What benchmark and conformance reports record about the device."""
     if interpreted():
@@ -77,4 +92,5 @@ def facts() -> dict[str, str]:
         "arch": arch(),
         "sm_count": str(sm_count()),
         "cuda": str(torch.version.cuda),
+        "cupy": cupy_version() or "none (the portable Triton kernels only)",
     }

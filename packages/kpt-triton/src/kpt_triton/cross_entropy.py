@@ -142,7 +142,8 @@ def _kept(target, ignore_index):
     return (target != ignore_index).sum().clamp(min=1)
 
 
-def _reduce(losses, target, ignore_index, reduction, dtype):
+def reduce_losses(losses, target, ignore_index, reduction, dtype):
+    """The loss as ``reduction`` asks, from the float32 loss of each row."""
     if reduction == "none":
         return losses.to(dtype)
     total = losses.sum()
@@ -155,6 +156,13 @@ def _row_grad(dloss, target, ignore_index, reduction):
         return dloss
     g = dloss.to(torch.float32)
     return g / _kept(target, ignore_index) if reduction == "mean" else g
+
+
+def unit_grad(target, ignore_index, reduction):
+    """The gradient reaching each row's loss for an upstream gradient of 1, as one 0-dim float32
+    tensor: 1 / n_kept for "mean", 1 for "sum" and "none"."""
+    one = torch.ones((), dtype=torch.float32, device=target.device)
+    return _row_grad(one, target, ignore_index, "mean" if reduction == "mean" else "sum")
 
 
 @triton.jit
@@ -198,15 +206,11 @@ def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, 
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     dlogits = torch.empty(logits.shape if needs_grad else (0,), dtype=logits.dtype, device=logits.device)
-    unit = None
-    if needs_grad:
-        # the gradient for an upstream gradient of 1: 1 per row ("none", "sum") or 1 / n_kept ("mean")
-        one = torch.ones((), dtype=torch.float32, device=logits.device)
-        unit = _row_grad(one, target, ignore_index, "mean" if reduction == "mean" else "sum")
+    unit = unit_grad(target, ignore_index, reduction) if needs_grad else None
     _rows(logits, target, None, unit, losses, lse, dlogits, ignore_index,
           label_smoothing, compute_lse=True, write_loss=True, block_v=block_v, elems_per_warp=elems_per_warp,
           programs_per_sm=programs_per_sm)
-    return _reduce(losses, target, ignore_index, reduction, logits.dtype), dlogits
+    return reduce_losses(losses, target, ignore_index, reduction, logits.dtype), dlogits
 
 
 def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, loss, dlogits,
@@ -275,10 +279,10 @@ def linear_cross_entropy_fwd(
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     fused = needs_grad and reduction != "none"
-    grad = _row_grad(torch.ones((), device=hidden.device), target, ignore_index, reduction) if fused else None
+    grad = unit_grad(target, ignore_index, reduction) if fused else None
     grads = _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, chunk_elems=chunk_elems,
                      block_v=block_v, elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)
-    return (_reduce(losses, target, ignore_index, reduction, hidden.dtype),
+    return (reduce_losses(losses, target, ignore_index, reduction, hidden.dtype),
             *(grads if grads is not None else (hidden.new_empty(0) for _ in range(3))), lse)
 
 

@@ -1,0 +1,244 @@
+// Cross-entropy forward with its gradient, one row of logits held on chip between its two uses.
+//
+// A row of 128K bf16 logits (256 KB) is too big for one multiprocessor's shared memory
+// (227 KB) but not for its shared memory and registers together. Each block (one per
+// multiprocessor, THREADS threads) owns one row at a time: thread `tid` holds the 16-byte
+// vectors `k * THREADS + tid` of the row, the first REG_VECS of them in registers and the next
+// SMEM_VECS in its own slots of shared memory (so no thread ever reads another's slots, and the
+// row data needs no barrier). The row is read from memory once:
+//
+//   pass A (as the row arrives): m = max z, s = sum exp(z - m), lse = m + log s  (online per
+//                     thread, as each of its vectors lands; then two block reductions)
+//   pass B (on chip): dz = g * (exp(z - lse) - (1 - eps) * onehot(t) - eps / V), stored;
+//                     as each vector is done, the same slot starts loading the next row
+//                     (cp.async for shared memory), so the next row's reads overlap this row's
+//                     writes.
+//
+// loss = (1 - eps) * (lse - z_t) + eps * (lse - mean z), 0 for ignored rows; g is the gradient
+// reaching each row's loss (*grad, the same for every row), 0 for ignored rows. A target outside [0, V)
+// that is not ignored gives a NaN loss. Compiled by NVRTC (no headers needed).
+
+typedef unsigned int u32;
+
+// KIND: 0 bfloat16, 1 float16, 2 float32; a 16-byte vector holds EL elements.
+template <int KIND> struct Elem;
+
+template <> struct Elem<0> {
+    static constexpr int EL = 8;
+    __device__ static void unpack(uint4 v, float (&f)[8]) {
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+    __device__ static u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    __device__ static uint4 pack(const float (&f)[8]) {
+        return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+    }
+    __device__ static float scalar(const void* p, long long i) {
+        return __uint_as_float(u32(static_cast<const unsigned short*>(p)[i]) << 16);
+    }
+};
+
+template <> struct Elem<1> {
+    static constexpr int EL = 8;
+    __device__ static void unpack(uint4 v, float (&f)[8]) {
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
+                : "=f"(f[2 * i]), "=f"(f[2 * i + 1]) : "r"(w[i]));
+        }
+    }
+    __device__ static u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    __device__ static uint4 pack(const float (&f)[8]) {
+        return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+    }
+    __device__ static float scalar(const void* p, long long i) {
+        float f;
+        asm("{.reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h;}"
+            : "=f"(f) : "h"(static_cast<const unsigned short*>(p)[i]));
+        return f;
+    }
+};
+
+template <> struct Elem<2> {
+    static constexpr int EL = 4;
+    __device__ static void unpack(uint4 v, float (&f)[4]) {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+    __device__ static uint4 pack(const float (&f)[4]) {
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                          __float_as_uint(f[3]));
+    }
+    __device__ static float scalar(const void* p, long long i) { return static_cast<const float*>(p)[i]; }
+};
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void cp_async16(uint4* smem_slot, const uint4* src) {
+    u32 s = static_cast<u32>(__cvta_generic_to_shared(smem_slot));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most `pending` of this thread's latest cp.async groups are still in flight
+// (the instruction takes a constant: called from unrolled loops, the switch folds away; more
+// than 15 waits for all).
+__device__ __forceinline__ void cp_async_wait_group(int pending) {
+#define KPT_WAIT(N) case N: asm volatile("cp.async.wait_group " #N ";" ::: "memory"); break;
+    switch (pending) {
+        KPT_WAIT(1) KPT_WAIT(2) KPT_WAIT(3) KPT_WAIT(4) KPT_WAIT(5) KPT_WAIT(6) KPT_WAIT(7) KPT_WAIT(8)
+        KPT_WAIT(9) KPT_WAIT(10) KPT_WAIT(11) KPT_WAIT(12) KPT_WAIT(13) KPT_WAIT(14) KPT_WAIT(15)
+        default: asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+#undef KPT_WAIT
+}
+
+__device__ __forceinline__ void store_streaming(uint4* p, uint4 v) {
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+constexpr float LOG2E = 1.4426950408889634f;
+#define NEG_INF __int_as_float(0xff800000)
+
+// The block's combined value of one float per thread (OP 0: max, 1: sum); `scratch` holds one
+// float per warp. Ends with every thread holding the result; the caller's next use of `scratch`
+// must follow a barrier (the next reduction's own barrier is enough when it uses other scratch).
+template <int THREADS, int OP>
+__device__ __forceinline__ float block_reduce(float x, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = OP == 0 ? fmaxf(x, y) : x + y;
+    }
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < THREADS / 32; ++w) x = OP == 0 ? fmaxf(x, scratch[w]) : x + scratch[w];
+    return x;
+}
+
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING>
+__global__ void __launch_bounds__(THREADS, 1)
+cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ target,
+                     const float* __restrict__ grad, float* __restrict__ loss, uint4* __restrict__ dz,
+                     long long n, long long stride_zn_vecs, long long ignore_index, int v, float smoothing) {
+    using E = Elem<KIND>;
+    constexpr int EL = E::EL;
+    constexpr int VECS = REG_VECS + SMEM_VECS;
+    extern __shared__ uint4 slots[];  // [SMEM_VECS][THREADS]
+    __shared__ float scratch[3][THREADS / 32];
+
+    const int tid = threadIdx.x;
+    const int nvec = v / EL;
+    uint4 reg[REG_VECS > 0 ? REG_VECS : 1];
+
+    long long row = blockIdx.x;
+    if (row >= n) return;
+
+    // the first row's loads
+#pragma unroll
+    for (int k = 0; k < VECS; ++k) {
+        const int j = k * THREADS + tid;
+        if (j < nvec) {
+            if (k < REG_VECS) reg[k] = z[row * stride_zn_vecs + j];
+            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], z + row * stride_zn_vecs + j);
+        }
+        if (k >= REG_VECS) cp_async_commit();  // one group per shared-memory vector, even if empty
+    }
+
+    for (; row < n; row += gridDim.x) {
+        const long long t = target[row];
+        const bool kept = t != ignore_index;
+
+        // pass A, vector by vector as they arrive: a running maximum m and a sum s of exp(z - m)
+        // rescaled whenever m grows (and the sum of z for label smoothing)
+        float m = NEG_INF;
+        float s = 0.f;
+        float zsum = 0.f;
+#pragma unroll
+        for (int k = 0; k < VECS; ++k) {
+            if (k >= REG_VECS) cp_async_wait_group(VECS - 1 - k);
+            if (k * THREADS + tid < nvec) {
+                float f[EL];
+                E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], f);
+                float m_new = m;
+#pragma unroll
+                for (int i = 0; i < EL; ++i) {
+                    m_new = fmaxf(m_new, f[i]);
+                    if (SMOOTHING) zsum += f[i];
+                }
+                if (m_new != NEG_INF) {  // else every logit so far is -inf, adding nothing
+                    const float m2 = m_new * LOG2E;
+                    s *= ex2(fmaf(m, LOG2E, -m2));  // 0 while m is -inf
+#pragma unroll
+                    for (int i = 0; i < EL; ++i) s += ex2(fmaf(f[i], LOG2E, -m2));
+                    m = m_new;
+                }
+            }
+        }
+        const float m_row = block_reduce<THREADS, 0>(m, scratch[0]);
+        s = block_reduce<THREADS, 1>(m == NEG_INF ? 0.f : s * ex2((m - m_row) * LOG2E), scratch[1]);
+        if (SMOOTHING) zsum = block_reduce<THREADS, 1>(zsum, scratch[2]);
+        m = m_row;
+        const float lse = m + __logf(s);
+
+        if (tid == 0) {
+            const bool in_range = t >= 0 && t < v;
+            const float z_t = kept && in_range
+                                  ? E::scalar(z + row * stride_zn_vecs, t)
+                                  : __int_as_float(0x7fc00000);  // NaN
+            float l = (1.f - smoothing) * (lse - z_t);
+            if (SMOOTHING) l += smoothing * (lse - zsum / v);
+            loss[row] = kept ? l : 0.f;
+        }
+
+        // pass B: the gradient, each slot then loading the next row
+        const float g = kept ? *grad : 0.f;
+        const float lse2 = lse * LOG2E;
+        const float off = smoothing / v;
+        const float hit = 1.f - smoothing;
+        const long long next = row + gridDim.x;
+        uint4* dz_row = dz + row * nvec;
+#pragma unroll
+        for (int k = 0; k < VECS; ++k) {
+            const int j = k * THREADS + tid;
+            if (j < nvec) {
+                float f[EL];
+                E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], f);
+#pragma unroll
+                for (int i = 0; i < EL; ++i) {
+                    const float d = ex2(fmaf(f[i], LOG2E, -lse2)) - off;
+                    f[i] = g * (j * EL + i == t ? d - hit : d);
+                }
+                store_streaming(dz_row + j, E::pack(f));
+                if (next < n) {
+                    if (k < REG_VECS) reg[k] = z[next * stride_zn_vecs + j];
+                    else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], z + next * stride_zn_vecs + j);
+                }
+            }
+            if (k >= REG_VECS) cp_async_commit();
+        }
+    }
+}
