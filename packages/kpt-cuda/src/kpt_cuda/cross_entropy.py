@@ -96,7 +96,8 @@ ONCHIP_MIN_V = 65536
 
 
 def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, *,
-                      block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_v: int = 8192, elems_per_warp: int = 512,
+                      programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, dlogits)`` like the portable `kpt_triton.cross_entropy.cross_entropy_fwd`, whose
     tuning keywords it passes on when it hands a call over."""
     split = None
