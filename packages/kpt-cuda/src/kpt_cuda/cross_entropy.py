@@ -16,6 +16,7 @@ Every other call, and the backward (an in-place scaling), runs the portable kern
 from __future__ import annotations
 
 import functools
+import warnings
 from importlib import resources
 from typing import Any
 
@@ -79,8 +80,11 @@ def _onchip(logits, target, unit, losses, dlogits, ignore_index, label_smoothing
     kernel = _kernel(_KIND[logits.dtype], reg_vecs, smem_vecs, label_smoothing > 0, index)
     per_vec = 16 // logits.element_size()
     blocks = min(n, torch.cuda.get_device_properties(index).multi_processor_count)
-    stream = torch.cuda.current_stream(logits.device)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream):
+    with warnings.catch_warnings():
+        # CuPy 14 deprecates ExternalStream for Stream.from_external, which CuPy 13 lacks
+        warnings.simplefilter("ignore", DeprecationWarning)
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(logits.device).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
         kernel(
             (blocks,), (THREADS,),
             (np.uint64(logits.data_ptr()), np.uint64(target.data_ptr()), np.uint64(unit.data_ptr()),
@@ -91,8 +95,11 @@ def _onchip(logits, target, unit, losses, dlogits, ignore_index, label_smoothing
         )
 
 
-ONCHIP_MIN_V = 65536
-"""The narrowest rows held on chip: narrower ones stay in L2 between the portable kernel's reads."""
+ONCHIP_MIN_V = 32000
+"""The narrowest rows held on chip. On an H100 (bf16, 2^30 logits, forward with the gradient) the
+CUDA C kernel took 1.54 ms at V = 32000 against 1.74 for the portable one, but 2.00 against 1.80 at
+V = 16384: narrower rows stay in L2 between the portable kernel's two reads, and one block per
+multiprocessor leaves most of its threads idle."""
 
 
 def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, *,
