@@ -15,8 +15,10 @@
 //                     writes.
 //
 // loss = (1 - eps) * (lse - z_t) + eps * (lse - mean z), 0 for ignored rows; g is the gradient
-// reaching each row's loss (*grad, the same for every row), 0 for ignored rows. A target outside [0, V)
-// that is not ignored gives a NaN loss. Compiled by NVRTC (no headers needed).
+// reaching each row's loss (*grad, the same for every row), 0 for ignored rows. A target outside
+// [0, V) that is not ignored gives a NaN loss. A slot's next load is issued after the thread has
+// read the slot into registers, so the asynchronous copy never overwrites a value still to be
+// read. Compiled by NVRTC (no headers needed).
 
 typedef unsigned int u32;
 
