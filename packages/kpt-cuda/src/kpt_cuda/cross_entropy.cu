@@ -25,46 +25,44 @@ typedef unsigned int u32;
 // KIND: 0 bfloat16, 1 float16, 2 float32; a 16-byte vector holds EL elements.
 template <int KIND> struct Elem;
 
-template <> struct Elem<0> {
+// The 16-bit kinds: 8 per vector, two per 32-bit word. Each kind K derives from Elem16<K> and
+// gives its word conversions (unpack2, pack2) and its one-element load (scalar).
+template <class K> struct Elem16 {
     static constexpr int EL = 8;
     __device__ static void unpack(uint4 v, float (&f)[8]) {
         u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            f[2 * i] = __uint_as_float(w[i] << 16);
-            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        }
+        for (int i = 0; i < 4; ++i) K::unpack2(w[i], f[2 * i], f[2 * i + 1]);
+    }
+    __device__ static uint4 pack(const float (&f)[8]) {
+        return make_uint4(K::pack2(f[0], f[1]), K::pack2(f[2], f[3]), K::pack2(f[4], f[5]), K::pack2(f[6], f[7]));
+    }
+};
+
+template <> struct Elem<0> : Elem16<Elem<0>> {
+    __device__ static void unpack2(u32 w, float& lo, float& hi) {
+        lo = __uint_as_float(w << 16);
+        hi = __uint_as_float(w & 0xffff0000u);
     }
     __device__ static u32 pack2(float lo, float hi) {
         u32 r;
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
-    __device__ static uint4 pack(const float (&f)[8]) {
-        return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-    }
     __device__ static float scalar(const void* p, long long i) {
         return __uint_as_float(u32(static_cast<const unsigned short*>(p)[i]) << 16);
     }
 };
 
-template <> struct Elem<1> {
-    static constexpr int EL = 8;
-    __device__ static void unpack(uint4 v, float (&f)[8]) {
-        u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
-                : "=f"(f[2 * i]), "=f"(f[2 * i + 1]) : "r"(w[i]));
-        }
+template <> struct Elem<1> : Elem16<Elem<1>> {
+    __device__ static void unpack2(u32 w, float& lo, float& hi) {
+        asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
+            : "=f"(lo), "=f"(hi) : "r"(w));
     }
     __device__ static u32 pack2(float lo, float hi) {
         u32 r;
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
-    }
-    __device__ static uint4 pack(const float (&f)[8]) {
-        return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
     }
     __device__ static float scalar(const void* p, long long i) {
         float f;

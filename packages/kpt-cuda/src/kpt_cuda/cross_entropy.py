@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kpt_triton import cross_entropy as portable
+from kpt_triton.tiling import persistent_programs
 
 from . import device
 
@@ -76,17 +77,16 @@ def _onchip(logits, target, unit, losses, dlogits, ignore_index, label_smoothing
 
     reg_vecs, smem_vecs = split
     n, v = logits.shape
-    index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    index = logits.device.index  # a CUDA tensor's device always names its index
     kernel = _kernel(_KIND[logits.dtype], reg_vecs, smem_vecs, label_smoothing > 0, index)
     per_vec = 16 // logits.element_size()
-    blocks = min(n, torch.cuda.get_device_properties(index).multi_processor_count)
     with warnings.catch_warnings():
         # CuPy 14 deprecates ExternalStream for Stream.from_external, which CuPy 13 lacks
         warnings.simplefilter("ignore", DeprecationWarning)
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(logits.device).cuda_stream, index)
     with cupy.cuda.Device(index), stream:
         kernel(
-            (blocks,), (THREADS,),
+            (persistent_programs(n, logits.device, 1),), (THREADS,),
             (np.uint64(logits.data_ptr()), np.uint64(target.data_ptr()), np.uint64(unit.data_ptr()),
              np.uint64(losses.data_ptr()), np.uint64(dlogits.data_ptr()), np.int64(n),
              np.int64(logits.stride(0) // per_vec), np.int64(ignore_index), np.int32(v),
