@@ -134,17 +134,19 @@ class Backend(abc.ABC):
         reason = self.unsupported(kernel, bound)
         if reason:
             raise KernelNotSupportedError(f"{kernel}: not supported by backend {self.name!r}: {reason}")
-        needs_grad = _needs_grad(spec, bound)
+        grad_enabled = torch.is_grad_enabled()
+        needs_grad = grad_enabled and _needs_grad(spec, bound)
         values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
         bound_kernels = self._bound
-        if torch.compiler.is_compiling() or any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if torch.compiler.is_compiling() or any(t.is_meta for t in tensors):
             # one op for the compiler to trace (or to run its fake implementation on meta tensors)
             if not spec.differentiable:
                 values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
             out = bound_kernels.ops[kernel](*values)
         elif needs_grad:
             out = bound_kernels.functions[kernel](*values)
-        elif torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+        elif grad_enabled and any(t.requires_grad for t in tensors):
             # inputs outside ``spec.differentiable`` that require grad: the result carries no graph
             with torch.no_grad():
                 out = bound_kernels.kernels[kernel].forward(*values)
@@ -163,9 +165,11 @@ class _Bound(NamedTuple):
 
 
 def _needs_grad(spec: KernelSpec, args: Mapping[str, Any]) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(args[n], torch.Tensor) and args[n].requires_grad for n in spec.differentiable
-    )
+    """Whether a differentiable input requires grad (grad mode is checked by the caller)."""
+    for n in spec.differentiable:
+        if isinstance(args[n], torch.Tensor) and args[n].requires_grad:
+            return True
+    return False
 
 
 def missing_kernels(kernels: Mapping[str, Kernel]) -> list[str]:

@@ -116,9 +116,19 @@ class KernelSpec:
         fast = self._parameters
         if fast is not None and len(args) <= len(fast[0]):
             names, defaults = fast
-            rest = names[len(args):]
-            if all(n in kwargs or n in defaults for n in rest) and len(kwargs) == sum(n in kwargs for n in rest):
-                return dict(zip(names, args)) | {n: kwargs[n] if n in kwargs else defaults[n] for n in rest}
+            bound = dict(zip(names, args))
+            unused = len(kwargs)
+            for n in names[len(args):]:
+                if n in kwargs:
+                    bound[n] = kwargs[n]
+                    unused -= 1
+                elif n in defaults:
+                    bound[n] = defaults[n]
+                else:
+                    break
+            else:
+                if not unused:
+                    return bound
         try:  # a call the fast path does not take, or a wrong one: inspect names the problem
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cached_launch
 from .linear import DOT_FP32, dot, dot_precision
 from .tiling import cdiv, next_pow2
 
@@ -46,6 +47,7 @@ def _order_bits(bits, BITS: tl.constexpr):
     return bits ^ ((bits >> (BITS - 1)) & ((1 << (BITS - 1)) - 1))
 
 
+@cached_launch
 @triton.jit
 def _moe_gating_fwd_kernel(
     LOGITS, WEIGHTS, INDICES,  # WEIGHTS float32 and INDICES int32 are contiguous [T, K]
@@ -99,6 +101,7 @@ def _moe_gating_fwd_kernel(
     tl.store(INDICES + out, top_idx, mask=keep)
 
 
+@cached_launch
 @triton.jit
 def _moe_gating_bwd_kernel(
     LOGITS, WEIGHTS, INDICES, DW, DLOGITS,  # WEIGHTS, INDICES contiguous [T, K]; DLOGITS contiguous [T, E]

@@ -1,0 +1,121 @@
+"""Launching a Triton kernel again without Triton's per-call dispatch (for kernels of microseconds).
+
+``kernel[grid](*args)`` on a `triton.jit` function binds the arguments, derives their
+specialization, hashes it, looks the compiled kernel up and checks the globals it read, on every
+call. That is several microseconds of Python on a fast CPU and tens on a slow one: more than a
+small kernel (MoE gating of a decode step) runs on the GPU. `cached_launch` wraps such a kernel:
+
+    @cached_launch
+    @triton.jit
+    def _kernel(X, Y, n, BLOCK: tl.constexpr): ...
+
+    _kernel[grid](x, y, n, BLOCK=128)      # same call as before
+
+The first call of each specialization goes through Triton (and compiles); later calls with the
+same specialization launch the compiled kernel directly. The key holds everything Triton
+specializes a compiled kernel on, and a little more: the current device, the keyword arguments
+(constexprs and options such as ``num_warps``) by value, and per positional argument: for a
+tensor, whether it is in host memory, its dtype and its 16-byte alignment; for an int, its width
+(int32, int64, uint64) and whether it is 1 or a multiple of 16; else its type (bool, float, None).
+A call with any other kind of argument or a grid given as a function, a call while Triton's
+launch hooks are set (profilers), and Triton's interpreter always take Triton's own path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+_INT32 = range(-(1 << 31), 1 << 31)
+
+
+def _specialize(args: tuple[Any, ...]) -> tuple[list[Any], list[Any]] | None:
+    """What Triton specializes a compiled kernel on for each positional argument, and the
+    arguments as the launcher takes them (tensors as addresses: it would otherwise look each up
+    through a driver call); None for an argument of another kind."""
+    key: list[Any] = []
+    values: list[Any] = []
+    for arg in args:
+        kind = type(arg)
+        if isinstance(arg, torch.Tensor):
+            address = arg.data_ptr()
+            key += (arg.is_cpu, arg.dtype, address & 15 == 0)
+            values.append(address)
+            continue
+        if kind is int:  # 1, multiples of 16, and the width (int32, int64, uint64) change the code
+            key.append((arg == 1, arg & 15 == 0, arg in _INT32, arg >= 1 << 63))
+        elif kind is bool or kind is float or arg is None:
+            key.append(kind)
+        else:
+            return None
+        values.append(arg)
+    return key, values
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: a callable, or a chain of them (Triton 3.5 on) holding one."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
+    """A `triton.jit` kernel whose repeat launches skip Triton's dispatch (see the module docstring)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        params = getattr(fn, "signature", None)
+        params = params.parameters if params is not None else {}
+        self._names = tuple(params)
+        self._defaults = {name: p.default for name, p in params.items()}
+        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._device: Callable[[], int] | None = None
+        self._stream: Callable[[int], int] | None = None
+
+    def __getitem__(self, grid: Sequence[int] | Callable[..., Sequence[int]]) -> Callable[..., Any]:
+        if callable(grid):  # a grid computed from the arguments: Triton's path
+            return self.fn[grid]
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._device is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            self._first(grid, args, kwargs)
+            return
+        specialized = _specialize(args)
+        if specialized is None:
+            self.fn[grid](*args, **kwargs)
+            return
+        device = self._device()
+        key, values = specialized
+        try:
+            hit = self._compiled.get((device, *key, *kwargs.items()))
+        except TypeError:  # an unhashable keyword value
+            hit = None
+        if hit is None:
+            self._first(grid, args, kwargs)
+            return
+        kernel, constexprs = hit
+        kernel.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            self._stream(device), kernel.function, kernel.packed_metadata, None, None, None, *values, *constexprs,
+        )
+
+    def _first(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Triton's own launch; remembers the compiled kernel where the call is cacheable."""
+        kernel = self.fn[grid](*args, **kwargs)
+        if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+            return  # the interpreter, or a Triton whose compiled kernels look different
+        specialized = _specialize(args)
+        if specialized is None or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            return  # tensors are keyed, and passed as addresses, only when positional
+        if self._device is None:
+            active = driver.active
+            self._device, self._stream = active.get_current_device, active.get_current_stream
+        rest = self._names[len(args):]
+        key = (self._device(), *specialized[0], *kwargs.items())
+        try:
+            self._compiled[key] = kernel, tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in rest)
+        except TypeError:  # an unhashable keyword value: this call stays on Triton's path
+            pass

@@ -1,0 +1,102 @@
+"""`kpt_triton.launch.cached_launch`: the same results as Triton's own launch, every specialization
+keyed apart, and Triton's path wherever the fast one does not apply (the interpreter, hooks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from conftest import device
+from kpt.testing import poisoned
+from kpt_triton.launch import _specialize, cached_launch
+
+
+@cached_launch
+@triton.jit
+def _axpy_kernel(X, Y, n, stride, alpha, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(X + offs * stride, mask=ok).to(tl.float32)
+    tl.store(Y + offs, (alpha * x + SHIFT).to(Y.dtype.element_ty), mask=ok)
+
+
+def _axpy(x: torch.Tensor, alpha: float, block: int = 64, shift: int | None = None) -> torch.Tensor:
+    with poisoned():
+        y = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    extra = {} if shift is None else {"SHIFT": shift}
+    _axpy_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), x.stride(0), alpha, BLOCK=block, **extra)
+    return y
+
+
+def _expected(x: torch.Tensor, alpha: float, shift: int = 0) -> torch.Tensor:
+    return (alpha * x.float() + shift).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_specialization_computes_its_own_result(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2 * 1031, generator=g).to(dtype).to(device())
+    calls = [
+        (base[:1], 2.0, {}),  # n == 1
+        (base[:16], -1.5, {}),  # n a multiple of 16
+        (base[:17], 0.5, {}),
+        (base[1:1001], 3.0, {}),  # a pointer off 16-byte alignment
+        (base[::2], 0.25, {}),  # stride 2
+        (base[:300], 1.0, {"block": 128}),  # another constexpr
+        (base[:300], 1.0, {"shift": 3}),  # a default constexpr given
+        (base[:300], 1.0, {}),  # back to the first specialization of this size
+    ]
+    for _ in range(2):  # the second round runs from the cache where there is one
+        for x, alpha, kw in calls:
+            got = _axpy(x, alpha, **kw)
+            assert torch.equal(got.cpu(), _expected(x, alpha, kw.get("shift", 0)).cpu()), (x.shape, x.stride(), kw)
+
+
+def test_keys_tell_apart_what_triton_specializes_on() -> None:
+    def key(arg: object) -> object:
+        specialized = _specialize((arg,))
+        return None if specialized is None else tuple(specialized[0])
+
+    t = torch.zeros(64)
+    assert key(t) != key(t[1:])  # 16-byte alignment
+    assert key(t) != key(t.half())  # dtype
+    assert key(t) != key(t.to("meta"))  # host memory or not
+    # 1, a multiple of 16, and the width (int32, int64, uint64) each change the compiled kernel
+    assert key(1) != key(17) and key(16) != key(17) and key(16) == key(32) and key(2) == key(17)
+    assert len({key((1 << 31) - 16), key(1 << 31), key(1 << 63)}) == 3
+    assert len({key(True), key(2.0), key(None), key(2)}) == 4
+    assert key((1, 2)) is None and key("a") is None
+    assert _specialize((t, 3))[1] == [t.data_ptr(), 3]  # tensors go to the launcher as addresses
+
+
+@pytest.mark.skipif(device().type != "cuda", reason="needs a GPU: the interpreter never caches")
+def test_repeat_calls_skip_triton_and_new_specializations_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(4096, device="cuda")
+    _axpy(x, 2.0, block=512)  # a block size no other test uses: a specialization of its own
+    first = []
+    monkeypatch.setattr(_axpy_kernel, "_first", lambda *a: first.append(a[1]))
+    y = _axpy(torch.randn(4096, device="cuda"), 2.0, block=512)
+    assert not first and not y.isnan().any()
+    _axpy(x[1:], 2.0, block=512)  # misaligned: a new specialization goes through Triton
+    _axpy(x.half(), 2.0, block=512)
+    _axpy(x, 2.0, block=512, shift=1)
+    assert len(first) == 3
+
+
+def test_interpreter_hooks_and_grid_functions_take_tritons_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton import knobs
+
+    x = torch.randn(100, device=device())
+    y = torch.empty_like(x)
+    _axpy_kernel[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](x, y, 100, 1, 3.0, BLOCK=32)
+    assert torch.equal(y.cpu(), _expected(x, 3.0).cpu())
+    _axpy(x, 1.0)
+    if device().type == "cpu":
+        assert not _axpy_kernel._compiled
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: seen.append(a))
+    assert torch.equal(_axpy(x, 2.0).cpu(), _expected(x, 2.0).cpu())
+    if device().type == "cuda":
+        assert seen  # the hook saw the launch
