@@ -104,6 +104,8 @@ def test_tuning_is_bound_at_the_first_call(monkeypatch):
     assert seen == {"block": 7}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors in the interpreter: on a GPU machine the "
+                    "kernels were compiled for the GPU when imported; the conformance suite checks gradients there")
 def test_calls_run_through_autograd(interpreted):
     be = kpt.reload_backends(strict=True).get("cuda")
     x = torch.randn(3, 40, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
