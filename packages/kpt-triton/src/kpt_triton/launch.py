@@ -66,10 +66,6 @@ class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        params = getattr(fn, "signature", None)
-        params = params.parameters if params is not None else {}
-        self._names = tuple(params)
-        self._defaults = {name: p.default for name, p in params.items()}
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
         self._device: Callable[[], int] | None = None
         self._stream: Callable[[int], int] | None = None
@@ -113,9 +109,10 @@ class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
         if self._device is None:
             active = driver.active
             self._device, self._stream = active.get_current_device, active.get_current_stream
-        rest = self._names[len(args):]
+        # the launcher takes every parameter in order, constexprs included (it skips them)
+        rest = list(self.fn.signature.parameters.values())[len(args):]
         key = (self._device(), *specialized[0], *kwargs.items())
         try:
-            self._compiled[key] = kernel, tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in rest)
+            self._compiled[key] = kernel, tuple(kwargs.get(p.name, p.default) for p in rest)
         except TypeError:  # an unhashable keyword value: this call stays on Triton's path
             pass
