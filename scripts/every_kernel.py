@@ -1,4 +1,5 @@
-"""Run every kernel of a backend once, forward and backward, on its conformance cases.
+"""Run every kernel of a backend once, forward and backward, on its conformance cases and, with
+value checks off, on its out-of-range index values (`KernelSpec.bad_values`).
 
 Meant to run under a memory checker, where the full suite would be too slow:
 
@@ -14,6 +15,15 @@ import torch
 import kpt
 from kpt.ops import as_tuple
 from kpt.testing import to_device
+
+
+def _run(be: kpt.Backend, spec: kpt.KernelSpec, args: dict, grad: bool) -> None:
+    names = [n for n in spec.differentiable if isinstance(args[n], torch.Tensor) and grad]
+    for n in names:
+        args[n] = args[n].detach().requires_grad_(True)
+    outs = [o for o in as_tuple(be.call(spec.name, **args)) if o.requires_grad]
+    if outs:
+        torch.autograd.grad(outs, [args[n] for n in names], [torch.randn_like(o) for o in outs], allow_unused=True)
 
 
 def main() -> int:
@@ -33,14 +43,11 @@ def main() -> int:
             for dtype in (getattr(torch, d) for d in opts.dtypes.split(",")):
                 if case.dtypes and dtype not in case.dtypes:
                     continue
-                args = to_device(case.make(g, dtype), be.device())
-                names = [n for n in spec.differentiable if isinstance(args[n], torch.Tensor) and case.grad]
-                for n in names:
-                    args[n] = args[n].detach().requires_grad_(True)
-                outs = [o for o in as_tuple(be.call(spec.name, **args)) if o.requires_grad]
-                if outs:
-                    torch.autograd.grad(outs, [args[n] for n in names], [torch.randn_like(o) for o in outs],
-                                        allow_unused=True)
+                _run(be, spec, to_device(case.make(g, dtype), be.device()), case.grad)
+                calls += 1
+        with kpt.checked_values(False):
+            for bad in spec.bad_values():
+                _run(be, spec, to_device(bad.make(), be.device()), True)
                 calls += 1
         if be.device().type == "cuda":
             torch.cuda.synchronize()

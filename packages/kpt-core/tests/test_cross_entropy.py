@@ -244,3 +244,15 @@ def test_bad_input_messages_say_what_was_given() -> None:
         REF.cross_entropy(torch.randn(4, 10), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(kpt.KernelInputError, match=r"argument 'reduction' is 'avg'"):
         REF.cross_entropy(torch.randn(4, 10), torch.zeros(4, dtype=torch.int64), reduction="avg")
+
+
+def test_target_out_of_range_is_named_or_gives_nan() -> None:
+    logits = torch.randn(4, 10, dtype=torch.float64)
+    target = torch.tensor([1, -100, 10, -5])
+    with pytest.raises(kpt.KernelInputError, match=r"'target' has 10 at \[2\]; expected values in \[0, 10\)"):
+        REF.cross_entropy(logits, target)
+    with kpt.checked_values(False):
+        losses = REF.cross_entropy(logits, target, reduction="none")
+    expected = F.cross_entropy(logits[:1], target[:1], reduction="none")
+    torch.testing.assert_close(losses[:2], torch.cat([expected, torch.zeros(1, dtype=torch.float64)]))
+    assert losses[2:].isnan().all()

@@ -212,3 +212,67 @@ def test_gradients_never_nan_for_saturated_gating() -> None:
     weights, _ = REF.moe_gating(logits, 4, renormalize=False)
     (grad,) = torch.autograd.grad(weights.sum(), logits)
     assert torch.isfinite(grad).all()
+
+
+# -- routing values out of range: checked mode names them, unchecked results are defined --------
+
+
+def test_reference_names_the_first_bad_routing_value() -> None:
+    x = torch.randn(4, 8)
+    indices = torch.tensor([[0, 1], [2, 3], [3, 9], [-1, 0]], dtype=torch.int32)
+    with pytest.raises(kpt.KernelInputError, match=r"moe_dispatch: argument 'indices' has 9 at \[2, 1\]"):
+        REF.moe_dispatch(x, indices, 4)
+    offsets = torch.tensor([0, 5, 3, 6], dtype=torch.int32)
+    with pytest.raises(kpt.KernelInputError, match=r"'offsets' decreases at \[2\] \(5 then 3\)"):
+        REF.grouped_linear(torch.randn(6, 8), offsets, torch.randn(3, 5, 8))
+    with pytest.raises(kpt.KernelInputError, match=r"'offsets' has 7 at \[3\]"):
+        REF.grouped_linear(torch.randn(6, 8), torch.tensor([0, 1, 2, 7], dtype=torch.int32), torch.randn(3, 5, 8))
+    order = torch.tensor([0, 1, 2, 1, 4, 5], dtype=torch.int32)
+    with pytest.raises(kpt.KernelInputError, match=r"'order' repeats 1 at \[3\]"):
+        REF.moe_combine(torch.randn(6, 8), order, torch.rand(3, 2))
+
+
+def test_unchecked_dispatch_sorts_unrouted_pairs_last() -> None:
+    x = torch.randn(3, 4, dtype=torch.float64)
+    indices = torch.tensor([[1, -1], [7, 0], [1, 2]], dtype=torch.int32)  # 3 experts: -1 and 7 unrouted
+    with kpt.checked_values(False):
+        x_sorted, offsets, order = REF.moe_dispatch(x, indices, 3)
+    assert offsets.tolist() == [0, 1, 3, 4]
+    assert order.tolist() == [3, 0, 4, 5, 1, 2]
+    assert torch.equal(x_sorted, x[[1, 0, 2, 2, 0, 1]])
+
+
+def test_unchecked_grouped_linear_reads_bounds_clamped_and_non_decreasing() -> None:
+    x, w = torch.randn(10, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
+    with kpt.checked_values(False):
+        y = REF.grouped_linear(x, torch.tensor([-4, 6, 2, 99], dtype=torch.int32), w)
+    # read as [0, 6, 6, 10]: expert 0 rows 0..5, expert 1 none, expert 2 rows 6..9
+    torch.testing.assert_close(y, torch.cat([x[:6] @ w[0].T, x[6:] @ w[2].T]))
+    y = REF.grouped_linear(x, torch.tensor([2, 4, 4, 7], dtype=torch.int32), w)
+    assert torch.equal(y[:2], torch.zeros(2, 5, dtype=torch.float64)) and torch.equal(y[7:], torch.zeros(3, 5))
+
+
+def test_unchecked_combine_ignores_bad_order_values_and_takes_the_last_repeat() -> None:
+    y_sorted = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    weights = torch.ones(2, 2, dtype=torch.float64)
+    order = torch.tensor([0, 9, 0, 3], dtype=torch.int32)  # pair 0 named by rows 0 and 2, pairs 1, 2 by none
+    with kpt.checked_values(False):
+        y = REF.moe_combine(y_sorted, order, weights)
+    torch.testing.assert_close(y, torch.stack([y_sorted[2], y_sorted[3]]).detach())
+    y.sum().backward()
+    assert y_sorted.grad[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # only the rows the forward read
+
+
+def test_values_checked_by_context_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kpt.spec import values_checked
+
+    monkeypatch.delenv("KPT_CHECK_VALUES", raising=False)
+    assert not values_checked(False) and values_checked(True)
+    monkeypatch.setenv("KPT_CHECK_VALUES", "1")
+    assert values_checked(False)
+    with kpt.checked_values(False):
+        assert not values_checked(True) and not values_checked(False)
+    monkeypatch.setenv("KPT_CHECK_VALUES", "0")
+    with kpt.checked_values():
+        assert values_checked(False)
+    assert not values_checked(False)

@@ -16,14 +16,14 @@ from .hookspecs import hookimpl
 from .kernels import SPECS
 from .ops import Kernel
 from .registry import BackendInfo, Registry, get_backend, list_backends, reload_backends
-from .spec import FLOAT_DTYPES, BadInput, Case, KernelSpec
+from .spec import FLOAT_DTYPES, BadInput, BadValues, Case, KernelSpec, checked_values
 from .tolerance import Tolerance, default_tolerance
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECS", "Backend", "BackendError", "BackendInfo",
-    "BadInput", "Case", "Kernel", "KernelInputError", "KernelNotSupportedError", "KernelSpec",
-    "PerfBar", "Registry", "Tolerance", "default_tolerance", "get_backend", "hookimpl",
+    "BadInput", "BadValues", "Case", "Kernel", "KernelInputError", "KernelNotSupportedError", "KernelSpec",
+    "PerfBar", "Registry", "Tolerance", "checked_values", "default_tolerance", "get_backend", "hookimpl",
     "kernels_from", "list_backends", "missing_kernels", "reload_backends",
 ]

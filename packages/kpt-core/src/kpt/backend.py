@@ -23,7 +23,7 @@ import torch
 from .errors import BackendError, KernelNotSupportedError
 from .kernels import SPECS
 from .ops import Kernel, as_tuple, eager_functions, register_all
-from .spec import FLOAT_DTYPES, KernelSpec
+from .spec import FLOAT_DTYPES, KernelSpec, values_checked
 from .tolerance import Tolerance
 
 CONTRACT_VERSION = 1
@@ -60,6 +60,9 @@ class Backend(abc.ABC):
     """Simulators (fpga-sim) are never selected automatically."""
     contract_version: ClassVar[int] = CONTRACT_VERSION
     dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
+    checks_values: ClassVar[bool] = False
+    """Check index values (targets, expert ids, offsets, permutations) on every call, not only in
+    checked mode (`kpt.checked_values`): for backends where reading them costs nothing (CPU)."""
 
     def is_available(self) -> tuple[bool, str]:
         """``(True, "")`` when it can run on this machine, else ``(False, why not)``."""
@@ -139,7 +142,10 @@ class Backend(abc.ABC):
         values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
         bound_kernels = self._bound
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        if torch.compiler.is_compiling() or any(t.is_meta for t in tensors):
+        traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
+        if spec.check_values is not None and not traced and values_checked(self.checks_values):
+            spec.check_values(bound)
+        if traced:
             # one op for the compiler to trace (or to run its fake implementation on meta tensors)
             if not spec.differentiable:
                 values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]

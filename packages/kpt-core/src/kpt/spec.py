@@ -14,15 +14,21 @@ under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
   input (an empty tensor where that input was ``None``);
 * ``flops`` and `KernelSpec.min_bytes`: the cost model used by benchmarks (each input read
   once, each output written once);
-* ``cases`` / ``bad_inputs``: what the conformance suite runs.
+* ``cases`` / ``bad_inputs``: what the conformance suite runs;
+* ``check_values`` / ``bad_values``: for kernels with index-like inputs (targets, expert ids,
+  offsets, permutations), the checks that read those values from the device, run only where
+  values are checked (see `checked_values`), and the out-of-range calls that exercise them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +72,18 @@ class BadInput:
 
 
 @dataclass(frozen=True)
+class BadValues:
+    """A call whose shapes and dtypes are valid but whose index values are not: ``arg`` holds a
+    value out of range (or, for a permutation, repeated). Checked mode must raise a
+    `KernelInputError` naming ``arg``; without checks the kernel must still stay inside its
+    tensors and give the contract's defined result for such values."""
+
+    name: str
+    make: Callable[[], Args]
+    arg: str
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     """The contract of one kernel (see the module docstring)."""
 
@@ -92,6 +110,10 @@ class KernelSpec:
     reusable: tuple[str, ...] = ()
     """Saved outputs the backward may overwrite and return as gradients (gradients the forward
     prepared, which nothing else reads), so that scaling them costs no second tensor."""
+    check_values: Callable[[Args], None] | None = None
+    """Checks the values of index-like inputs (reading them from the device), raising
+    `KernelInputError` at the first offending position; run where values are checked."""
+    bad_values: Callable[[], list[BadValues]] = lambda: []
 
     def min_bytes(self, args: Args, outputs: tuple[torch.Tensor, ...]) -> int:
         """Each tensor input read once and each public output written once."""
@@ -143,6 +165,38 @@ class KernelSpec:
     def forward_values(self, checked: Args, needs_grad: bool) -> list[Any]:
         """The forward's positional arguments: the checked ones, plus ``needs_grad`` if it takes it."""
         return [*checked.values(), needs_grad] if self.needs_grad_arg else list(checked.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Checked mode: whether index values are read and checked before a kernel runs.
+
+_CHECK_VALUES: ContextVar[bool | None] = ContextVar("kpt_check_values", default=None)
+
+
+@contextlib.contextmanager
+def checked_values(enabled: bool = True) -> Iterator[None]:
+    """Inside, every call checks the values of its index-like inputs (``True``) or none does
+    (``False``), whatever the backend's default and ``$KPT_CHECK_VALUES``.
+
+    A check reads the values back to the host (a device synchronization), so GPU backends check
+    only when asked: ``with kpt.checked_values(): ...`` or ``KPT_CHECK_VALUES=1``. Backends whose
+    `Backend.checks_values` is true (the reference, the FPGA simulator) check by default. Calls
+    traced by ``torch.compile`` are not checked (a check would read the device inside the graph).
+    """
+    token = _CHECK_VALUES.set(enabled)
+    try:
+        yield
+    finally:
+        _CHECK_VALUES.reset(token)
+
+
+def values_checked(backend_default: bool) -> bool:
+    """Whether a call checks index values now: `checked_values` if inside one, else the
+    backend's default or ``$KPT_CHECK_VALUES``."""
+    enabled = _CHECK_VALUES.get()
+    if enabled is not None:
+        return enabled
+    return backend_default or os.environ.get("KPT_CHECK_VALUES", "") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +260,19 @@ class Check:
         if value not in options:
             raise self.fail(arg, f"is {value!r}; expected one of {list(options)!r}")
         return value
+
+    def values_in(self, arg: str, t: torch.Tensor, low: int, high: int, bound: str,
+                  allowed: int | None = None) -> None:
+        """Every value of the index tensor ``t`` in ``[low, high)`` (or equal to ``allowed``);
+        ``bound`` names where ``high`` comes from. Reads ``t`` from its device."""
+        bad = (t < low) | (t >= high)
+        if allowed is not None:
+            bad &= t != allowed
+        if bool(bad.any()):
+            at = [int(i) for i in bad.nonzero()[0]]
+            extra = f" or {allowed} (ignored)" if allowed is not None else ""
+            raise self.fail(arg, f"has {int(t[tuple(at)])} at {at}; expected values in [{low}, {high}) "
+                                 f"({bound}){extra}")
 
     def number(self, arg: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
                integer: bool = False) -> Any:

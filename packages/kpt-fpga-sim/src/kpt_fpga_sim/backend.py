@@ -53,6 +53,9 @@ class FpgaSimBackend(Backend):
     vendor = "kpt"
     device_type = "cpu"
     simulator = True
+    # a simulated design has no defined behavior for out-of-range index values; on the CPU
+    # checking them costs nothing
+    checks_values = True
 
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or from_environment()

@@ -9,30 +9,40 @@ Gating, one program per block of tokens, the whole row of E logits in registers:
     dlogits = scatter(w ∘ (dw − Σ dw·w))          renormalize (a softmax over the chosen logits)
             = p ∘ (dp − Σ dp·p),  dp = scatter(dw) otherwise
 
-Dispatch is a stable counting sort of the ``T·k`` pairs by expert, with no host sync:
+Dispatch is a stable counting sort of the ``T·k`` pairs by expert, with no host sync; a pair whose
+expert is outside ``[0, E)`` counts as expert E, so it sorts after every expert's rows:
 
-    counts[e, b] = pairs of block b routed to e        (one program per block of pairs)
+    counts[e, b] = pairs of block b routed to e        (one program per block of pairs, e <= E)
     before[e, b] = exclusive cumsum of counts, expert-major = offsets[e] + Σ_{b' < b} counts[e, b']
     row of pair  = before[e, b] + (earlier pairs of block b routed to e)
     x_sorted[row] = x[pair // k],  order[row] = pair
 
-``grouped_linear`` is one Triton grouped GEMM: the row tiles of all experts are numbered on the
-device (expert e owns ``cdiv(rows_e, BLOCK_M)`` consecutive tiles), the grid covers the upper bound
-``cdiv(M, BLOCK_M) + E`` tiles, and a program past the last tile exits, so expert sizes are never
-read on the host. ``dweight[e] = dy[rows of e]ᵀ · x[rows of e]`` has one program per expert and
-output tile, looping over the expert's rows.
+``grouped_linear`` is one Triton grouped GEMM over E + 2 segments of rows: the rows before the
+first expert's, the E experts', and the rows after the last expert's (the outer two get zeros),
+with bounds from `kpt.kernels.moe.expert_bounds` (offsets clamped to the rows and made
+non-decreasing on the device, so bad offsets can neither overlap experts nor leave the tensor). The
+row tiles of all segments are numbered on the device (segment s owns ``cdiv(rows_s, BLOCK_M)``
+consecutive tiles), the grid covers the upper bound ``cdiv(M, BLOCK_M) + E + 2`` tiles, and a
+program past the last tile exits, so expert sizes are never read on the host.
+``dweight[e] = dy[rows of e]ᵀ · x[rows of e]`` has one program per expert and output tile,
+looping over the expert's rows.
 
 Combine and the dispatch backward gather each token's k rows through the inverse permutation
-(``row of pair = inverse[pair]``) and sum them, so no two programs write one row: deterministic,
-no atomics. The combine backward walks the sorted rows: ``dy_sorted[r] = w[pair] · dy[t]`` and
-``dweights[pair] = dy[t] · y_sorted[r]``.
+(``row of pair = inverse[pair]``) and sum them, so no two programs write one row. The inverse starts
+at -1 (a pair no row names reads nothing); ``order`` values outside ``[0, T·k)`` are skipped, and
+where rows name one pair the last row wins (an atomic maximum: deterministic). The combine
+backward walks the sorted rows: where ``r = inverse[pair]``, ``dy_sorted[r] = w[pair] · dy[t]``
+and ``dweights[pair] = dy[t] · y_sorted[r]``; other rows get 0.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kpt.kernels.moe import expert_bounds
 
 from .launch import cached_launch
 from .linear import DOT_FP32, dot, dot_precision
@@ -143,20 +153,27 @@ def _moe_gating_bwd_kernel(
 
 
 @triton.jit
+def _expert_of_pair(INDICES, pairs, ok, E, K, stride_it, stride_ik):
+    """The expert of each pair, E for one outside [0, E); -1 where not ``ok``."""
+    token = (pairs // K).to(tl.int64)
+    expert = tl.load(INDICES + token * stride_it + (pairs % K) * stride_ik, mask=ok, other=-1)
+    return tl.where(ok & ((expert < 0) | (expert >= E)), E, expert)
+
+
+@triton.jit
 def _moe_count_kernel(
-    INDICES, COUNTS,  # COUNTS int32 [E, num_blocks], expert-major
+    INDICES, COUNTS,  # COUNTS int32 [E + 1, num_blocks], expert-major (row E: pairs out of range)
     P, E, K, num_blocks, stride_it, stride_ik,
     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     b = tl.program_id(0)
     pairs = b * BLOCK_P + tl.arange(0, BLOCK_P)
     ok = pairs < P
-    token = (pairs // K).to(tl.int64)
-    expert = tl.load(INDICES + token * stride_it + (pairs % K) * stride_ik, mask=ok, other=-1)
-    for e0 in range(0, E, BLOCK_E):
+    expert = _expert_of_pair(INDICES, pairs, ok, E, K, stride_it, stride_ik)
+    for e0 in range(0, E + 1, BLOCK_E):
         experts = e0 + tl.arange(0, BLOCK_E)
         counts = tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), 0)
-        tl.store(COUNTS + experts.to(tl.int64) * num_blocks + b, counts, mask=experts < E)
+        tl.store(COUNTS + experts.to(tl.int64) * num_blocks + b, counts, mask=experts <= E)
 
 
 @triton.jit
@@ -170,7 +187,7 @@ def _moe_scatter_kernel(
     pairs = b * BLOCK_P + lanes
     ok = pairs < P
     token = pairs // K
-    expert = tl.load(INDICES + token.to(tl.int64) * stride_it + (pairs % K) * stride_ik, mask=ok, other=-1)
+    expert = _expert_of_pair(INDICES, pairs, ok, E, K, stride_it, stride_ik)
     # stability: a pair goes after the earlier pairs of its block with the same expert
     earlier = (expert[:, None] == expert[None, :]) & (lanes[None, :] < lanes[:, None])
     at = expert.to(tl.int64) * num_blocks + b
@@ -185,22 +202,22 @@ def _moe_scatter_kernel(
         v = tl.load(X + token64[:, None] * stride_xt + cols[None, :] * stride_xh, mask=mask)
         tl.store(X_SORTED + row64[:, None] * H + cols[None, :], v, mask=mask)
     if b == 0:
-        # an expert's first row is the exclusive cumsum at its block 0
-        for e0 in range(0, E, BLOCK_E):
+        # an expert's first row is the exclusive cumsum at its block 0; that of "expert" E (the
+        # pairs out of range) is offsets[E], the number of routed pairs
+        for e0 in range(0, E + 1, BLOCK_E):
             experts = e0 + tl.arange(0, BLOCK_E)
-            e_ok = experts < E
+            e_ok = experts <= E
             at0 = experts.to(tl.int64) * num_blocks
             first = tl.load(CUMSUM + at0, mask=e_ok) - tl.load(COUNTS + at0, mask=e_ok)
             tl.store(OFFSETS + experts, first, mask=e_ok)
-        tl.store(OFFSETS + E, P)
 
 
 @triton.jit
-def _invert_kernel(ORDER, INVERSE, P, BLOCK: tl.constexpr):
+def _invert_kernel(ORDER, INVERSE, P, BLOCK: tl.constexpr):  # INVERSE int32 [P], filled with -1
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < P
-    pairs = tl.load(ORDER + rows, mask=ok)
-    tl.store(INVERSE + pairs, rows, mask=ok)
+    pairs = tl.load(ORDER + rows, mask=ok, other=-1)
+    tl.atomic_max(INVERSE + pairs, rows, mask=ok & (pairs >= 0) & (pairs < P))
 
 
 @triton.jit
@@ -216,8 +233,9 @@ def _gather_sum_kernel(
     tokens64 = tokens.to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for s in range(K):
-        row = tl.load(INVERSE + tokens64 * K + s, mask=t_ok, other=0).to(tl.int64)
-        v = tl.load(SRC + row[:, None] * stride_sr + cols[None, :] * stride_sh, mask=mask, other=0.0)
+        row = tl.load(INVERSE + tokens64 * K + s, mask=t_ok, other=-1).to(tl.int64)
+        v = tl.load(SRC + row[:, None] * stride_sr + cols[None, :] * stride_sh, mask=mask & (row[:, None] >= 0),
+                    other=0.0)
         if HAS_WEIGHTS:
             w = tl.load(W + tokens64 * stride_wt + s * stride_wk, mask=t_ok, other=0.0)
             acc += v.to(tl.float32) * w.to(tl.float32)[:, None]
@@ -228,35 +246,39 @@ def _gather_sum_kernel(
 
 @triton.jit
 def _moe_combine_bwd_kernel(
-    Y_SORTED, ORDER, W, DY, DY_SORTED, DW,  # DY_SORTED contiguous [P, H], DW contiguous [T, K]
+    Y_SORTED, ORDER, INVERSE, W, DY, DY_SORTED, DW,  # DY_SORTED contiguous [P, H], DW contiguous [T, K]
     P, K, H, stride_yr, stride_yh, stride_wt, stride_wk, stride_dyt, stride_dyh,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < P
-    pair = tl.load(ORDER + rows, mask=ok, other=0)
+    pair = tl.load(ORDER + rows, mask=ok, other=-1)
+    named = ok & (pair >= 0) & (pair < P)
+    # the forward read this row for its pair only where the inverse points back to it
+    read = named & (tl.load(INVERSE + pair, mask=named, other=-1) == rows)
     token = (pair // K).to(tl.int64)
-    w = tl.load(W + token * stride_wt + (pair % K) * stride_wk, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + token * stride_wt + (pair % K) * stride_wk, mask=read, other=0.0).to(tl.float32)
     rows64 = rows.to(tl.int64)
     dw = tl.zeros([BLOCK_R], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = ok[:, None] & (cols[None, :] < H)
-        g = tl.load(DY + token[:, None] * stride_dyt + cols[None, :] * stride_dyh, mask=mask, other=0.0)
+        g = tl.load(DY + token[:, None] * stride_dyt + cols[None, :] * stride_dyh, mask=mask & read[:, None],
+                    other=0.0)
         y = tl.load(Y_SORTED + rows64[:, None] * stride_yr + cols[None, :] * stride_yh, mask=mask, other=0.0)
         g = g.to(tl.float32)
         dw += tl.sum(g * y.to(tl.float32), 1)
         dy_sorted = (g * w[:, None]).to(DY_SORTED.dtype.element_ty)
         tl.store(DY_SORTED + rows64[:, None] * H + cols[None, :], dy_sorted, mask=mask)
-    tl.store(DW + pair, dw.to(DW.dtype.element_ty), mask=ok)
+    tl.store(DW + pair, dw.to(DW.dtype.element_ty), mask=read)
 
 
 @triton.jit
 def _grouped_mm_kernel(
-    A, B, C, OFFSETS,  # C contiguous [M, N]; expert e owns rows OFFSETS[e]:OFFSETS[e+1] of A and C
-    N, K, E,
+    A, B, C, BOUNDS,  # C contiguous [M, N]; segment s owns rows BOUNDS[s]:BOUNDS[s+1] of A and C
+    N, K, S,  # S = E + 2 segments: no expert, experts 0..E-1 (segment e + 1), no expert
     stride_am, stride_ak, stride_be, stride_bk, stride_bn,  # B[e] read as a [K, N] matrix
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -264,29 +286,30 @@ def _grouped_mm_kernel(
     tile = pid // num_n
     pid_n = pid % num_n
 
-    # number the row tiles of all experts and find the expert that owns this one
-    experts = tl.arange(0, BLOCK_E)
-    lo = tl.load(OFFSETS + experts, mask=experts < E, other=0)
-    hi = tl.load(OFFSETS + experts + 1, mask=experts < E, other=0)
+    # number the row tiles of all segments and find the segment that owns this one
+    segments = tl.arange(0, BLOCK_S)
+    lo = tl.load(BOUNDS + segments, mask=segments < S, other=0)
+    hi = tl.load(BOUNDS + segments + 1, mask=segments < S, other=0)
     tiles_end = tl.cumsum((hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
-    e = tl.sum((tiles_end <= tile).to(tl.int32), 0)
-    if e < E:
-        mine = experts == e
+    s = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    if s < S:
+        mine = segments == s
         first_tile = tl.sum(tl.where(mine, tiles_end - (hi - lo + BLOCK_M - 1) // BLOCK_M, 0), 0)
         row_end = tl.sum(tl.where(mine, hi, 0), 0)
         rows = tl.sum(tl.where(mine, lo, 0), 0) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < row_end
         rows64 = rows.to(tl.int64)
-        b_base = B + e.to(tl.int64) * stride_be
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(A + rows64[:, None] * stride_am + ks[None, :] * stride_ak,
-                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                        mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-            acc = dot(a, b, acc, DOT_FP32, PRECISION)
+        if (s > 0) & (s < S - 1):
+            b_base = B + (s - 1).to(tl.int64) * stride_be
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(A + rows64[:, None] * stride_am + ks[None, :] * stride_ak,
+                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                            mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+                acc = dot(a, b, acc, DOT_FP32, PRECISION)
         tl.store(C + rows64[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty),
                  mask=row_ok[:, None] & (cols[None, :] < N))
 
@@ -380,8 +403,8 @@ def moe_dispatch_fwd(
         return x_sorted, torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device), order
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=x.device)
     num_blocks = cdiv(P, block_pairs)
-    block_e = min(block_e, next_pow2(num_experts))
-    counts = torch.empty((num_experts, num_blocks), dtype=torch.int32, device=x.device)
+    block_e = min(block_e, next_pow2(num_experts + 1))
+    counts = torch.empty((num_experts + 1, num_blocks), dtype=torch.int32, device=x.device)
     _moe_count_kernel[(num_blocks,)](
         indices, counts, P, num_experts, k, num_blocks, *indices.stride(),
         BLOCK_P=block_pairs, BLOCK_E=block_e, num_warps=num_warps,
@@ -397,8 +420,8 @@ def moe_dispatch_fwd(
 
 
 def _inverse(order: torch.Tensor, *, block: int = 1024) -> torch.Tensor:
-    """``inverse[order[r]] = r``: the sorted row of every pair."""
-    inverse = torch.empty_like(order)
+    """``inverse[order[r]] = r``: the sorted row of every pair (-1 for none, the last of several)."""
+    inverse = torch.full_like(order, -1)
     if order.numel():
         _invert_kernel[(cdiv(order.numel(), block),)](order, inverse, order.numel(), BLOCK=block)
     return inverse
@@ -452,33 +475,41 @@ def moe_combine_bwd(
     """Returns ``(dy_sorted, dweights)`` like y_sorted and weights; zeros without a gradient."""
     P, H = y_sorted.shape
     T, k = weights.shape
-    new = torch.zeros if dy is None else torch.empty
-    dy_sorted = new((P, H), dtype=y_sorted.dtype, device=y_sorted.device)
-    dweights = new((T, k), dtype=weights.dtype, device=weights.device)
+    # dweights of a pair that no row names stay 0
+    dweights = torch.zeros((T, k), dtype=weights.dtype, device=weights.device)
+    dy_sorted = (torch.zeros if dy is None else torch.empty)((P, H), dtype=y_sorted.dtype, device=y_sorted.device)
     if dy is None or P == 0:
         return dy_sorted, dweights
     _moe_combine_bwd_kernel[(cdiv(P, block_r),)](
-        y_sorted, order, weights, dy, dy_sorted, dweights, P, k, H,
+        y_sorted, order, _inverse(order), weights, dy, dy_sorted, dweights, P, k, H,
         *y_sorted.stride(), *weights.stride(), *dy.stride(),
         BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(H)), num_warps=num_warps,
     )
     return dy_sorted, dweights
 
 
+def _segments(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 ``[E + 3]``: ``0``, the offsets as the contract reads them (`expert_bounds`), ``rows``;
+    computed on the device."""
+    # pads, not a tensor from host values: no copy to the device, so CUDA graphs can capture it
+    return F.pad(F.pad(expert_bounds(offsets, rows), (1, 0), value=0), (0, 1), value=rows)
+
+
 def _grouped_mm(
-    a: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], n: int,
+    a: torch.Tensor, bounds: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], n: int,
     *, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, fp32_precision: str,
 ) -> torch.Tensor:
-    """``c[rows of e] = a[rows of e] · B[e]`` where ``B[e]`` is ``b`` read with ``(expert, k, n)`` strides."""
+    """``c[rows of e] = a[rows of e] · B[e]`` where ``B[e]`` is ``b`` read with ``(expert, k, n)``
+    strides, 0 on rows of no expert; ``bounds`` from `_segments`."""
     M, K = a.shape
-    E = offsets.shape[0] - 1
+    S = bounds.shape[0] - 1
     c = torch.empty((M, n), dtype=a.dtype, device=a.device)
     if c.numel() == 0:
         return c
-    grid = ((cdiv(M, block_m) + E) * cdiv(n, block_n),)
+    grid = ((cdiv(M, block_m) + S) * cdiv(n, block_n),)
     _grouped_mm_kernel[grid](
-        a, b, c, offsets, n, K, E, *a.stride(), *b_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_pow2(E),
+        a, b, c, bounds, n, K, S, *a.stride(), *b_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_S=next_pow2(S),
         DOT_FP32=DOT_FP32, PRECISION=dot_precision(a.dtype, fp32_precision),
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -492,7 +523,8 @@ def grouped_linear_fwd(
 ) -> tuple[torch.Tensor]:
     """Returns ``(y [M, N],)``: ``y[rows of e] = x_sorted[rows of e] · weight[e]ᵀ``, no host sync."""
     se, sn, sk = weight.stride()
-    return (_grouped_mm(x_sorted, offsets, weight, (se, sk, sn), weight.shape[1], block_m=block_m,
+    bounds = _segments(offsets, x_sorted.shape[0])
+    return (_grouped_mm(x_sorted, bounds, weight, (se, sk, sn), weight.shape[1], block_m=block_m,
                         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                         fp32_precision=fp32_precision),)
 
@@ -511,11 +543,12 @@ def grouped_linear_bwd(
                 torch.zeros((E, N, K), dtype=weight.dtype, device=weight.device))
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps,
              "num_stages": num_stages, "fp32_precision": fp32_precision}
-    dx = _grouped_mm(dy, offsets, weight, weight.stride(), K, **tiles)
+    bounds = _segments(offsets, x_sorted.shape[0])
+    dx = _grouped_mm(dy, bounds, weight, weight.stride(), K, **tiles)
     dweight = torch.empty((E, N, K), dtype=weight.dtype, device=weight.device)
     if dweight.numel():
         _grouped_wgrad_kernel[(E, cdiv(N, block_n) * cdiv(K, block_k))](
-            dy, x_sorted, dweight, offsets, N, K, *dy.stride(), *x_sorted.stride(),
+            dy, x_sorted, dweight, bounds[1:], N, K, *dy.stride(), *x_sorted.stride(),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_FP32=DOT_FP32, PRECISION=dot_precision(dy.dtype, fp32_precision),
             num_warps=num_warps, num_stages=num_stages,

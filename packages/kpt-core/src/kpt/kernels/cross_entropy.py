@@ -37,6 +37,7 @@ from torch import Tensor
 from ..spec import (
     Args,
     BadInput,
+    BadValues,
     Case,
     Check,
     KernelSpec,
@@ -64,7 +65,8 @@ def cross_entropy(
     ``label_smoothing`` in [0, 1], computed in float32 (float64 for float64). Rows whose target is
     ``ignore_index`` give 0 and are not counted; ``reduction`` is ``"mean"`` (over counted rows; 0,
     never NaN, when every row is ignored), ``"sum"`` or ``"none"``. A target outside ``[0, V)`` that
-    is not ``ignore_index`` is undefined behavior (it is never read back to the host to check).
+    is not ``ignore_index`` raises in checked mode (`kpt.checked_values`); unchecked, its row's loss
+    is NaN (so a reduced loss is NaN) and its gradient lacks the target's term.
     ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
     logits' dtype. Differentiable with respect to ``logits``: the gradient is computed during the
     forward pass (it takes the memory of the logits until the backward).
@@ -81,9 +83,10 @@ def linear_cross_entropy(
     Never holds the full ``[N, V]`` logits: works through chunks of rows, and for "mean"/"sum"
     computes the gradients during the forward pass (the backward only scales them).
     ``hidden``: ``[N, K]`` float; ``weight``: ``[V, K]``, hidden's dtype; ``bias``: ``[V]``, hidden's
-    dtype or float32, or None; ``target``: ``[N]`` int64. Logits and loss in float32 (float64 for
-    float64). Returns a scalar (``[N]`` for "none") in hidden's dtype. Differentiable with respect
-    to ``hidden``, ``weight`` and ``bias``.
+    dtype or float32, or None; ``target``: ``[N]`` int64, out-of-range values as in
+    `cross_entropy`. Logits and loss in float32 (float64 for float64). Returns a scalar (``[N]``
+    for "none") in hidden's dtype. Differentiable with respect to ``hidden``, ``weight`` and
+    ``bias``.
     """
     raise AssertionError("signature only: call backend.linear_cross_entropy")
 
@@ -104,6 +107,18 @@ def validate_cross_entropy(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return a
 
 
+def _check_target_values(kernel: str, a: Args, classes: int) -> None:
+    Check(kernel, ()).values_in("target", a["target"], 0, classes, "the classes", allowed=a["ignore_index"])
+
+
+def check_cross_entropy_values(a: Args) -> None:
+    _check_target_values("cross_entropy", a, a["logits"].shape[1])
+
+
+def check_linear_cross_entropy_values(a: Args) -> None:
+    _check_target_values("linear_cross_entropy", a, a["weight"].shape[0])
+
+
 def validate_linear_cross_entropy(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     c = Check("linear_cross_entropy", dtypes)
     hidden = c.tensor("hidden", a["hidden"], ndim=2)
@@ -119,14 +134,16 @@ def validate_linear_cross_entropy(a: Args, dtypes: tuple[torch.dtype, ...]) -> A
 
 
 def _row_losses(z: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, lse: Tensor) -> Tensor:
-    """Per-row losses of compute-dtype logits ``z`` ``[n, V]`` with row log-sum-exp ``lse`` (0 if ignored)."""
+    """Per-row losses of compute-dtype logits ``z`` ``[n, V]`` with row log-sum-exp ``lse`` (0 if
+    ignored, NaN for a target out of range)."""
     kept = target != ignore_index
+    in_range = (target >= 0) & (target < z.shape[1])
     # an ignored target may be any integer: read class 0 in its place (nothing at all without classes)
-    safe = torch.where(kept, target, 0)[:, None]
+    safe = torch.where(kept & in_range, target, 0)[:, None]
     loss = lse - (z.gather(1, safe)[:, 0] if z.shape[1] else torch.zeros_like(lse))
     if label_smoothing:
         loss = (1 - label_smoothing) * loss + label_smoothing * (lse - z.mean(-1))
-    return torch.where(kept, loss, 0)
+    return torch.where(kept, torch.where(in_range, loss, math.nan), 0)
 
 
 def _one_hot(target: Tensor, classes: int) -> Tensor:
@@ -406,6 +423,38 @@ def _bad_inputs_lce() -> list[BadInput]:
     ]
 
 
+def _target_values(make: Any, classes: int) -> list[BadValues]:
+    """Targets out of range among valid and ignored ones; ``make(target)`` builds the call."""
+    def call(bad: list[int]) -> Args:
+        g = torch.Generator().manual_seed(len(bad))
+        target = _targets(g, 32, classes, 0.2, -100)
+        target[torch.randperm(32, generator=g)[: len(bad)]] = torch.tensor(bad)
+        return make(g, target)
+
+    return [
+        BadValues("target_equals_classes", lambda: call([classes]), "target"),
+        BadValues("target_negative", lambda: call([-1, -5, -99]), "target"),
+        BadValues("target_int64_extremes", lambda: call([2**63 - 1, -(2**63), 2**31, -(2**31) - 1]), "target"),
+    ]
+
+
+def _bad_values_ce() -> list[BadValues]:
+    def make(g: torch.Generator, target: Tensor) -> Args:
+        return {"logits": randn(g, 32, 100, dtype=torch.float32), "target": target, "ignore_index": -100,
+                "label_smoothing": 0.1, "reduction": "none"}
+
+    return _target_values(make, 100)
+
+
+def _bad_values_lce() -> list[BadValues]:
+    def make(g: torch.Generator, target: Tensor) -> Args:
+        return {"hidden": randn(g, 32, 64, dtype=torch.float32),
+                "weight": randn(g, 100, 64, dtype=torch.float32, scale=0.125), "target": target,
+                "bias": None, "ignore_index": -100, "reduction": "none"}
+
+    return _target_values(make, 100)
+
+
 CROSS_ENTROPY = KernelSpec(
     name="cross_entropy",
     signature=cross_entropy,
@@ -421,6 +470,8 @@ CROSS_ENTROPY = KernelSpec(
     flops=_cross_entropy_flops,
     cases=_cross_entropy_cases,
     bad_inputs=_bad_inputs_ce,
+    check_values=check_cross_entropy_values,
+    bad_values=_bad_values_ce,
 )
 
 LINEAR_CROSS_ENTROPY = KernelSpec(
@@ -437,6 +488,8 @@ LINEAR_CROSS_ENTROPY = KernelSpec(
     flops=_linear_cross_entropy_flops,
     cases=_linear_cross_entropy_cases,
     bad_inputs=_bad_inputs_lce,
+    check_values=check_linear_cross_entropy_values,
+    bad_values=_bad_values_lce,
 )
 
 SPECS = (CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)

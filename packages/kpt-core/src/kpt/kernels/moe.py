@@ -21,6 +21,17 @@ Backward, with w the gating weights and dw their gradient:
 
 The reference runs on fake tensors, so it never reads routing values on the host: the per-expert
 matmul is E masked dense matmuls (E times the work of a real kernel, exact all the same).
+
+Routing values are checked only where values are checked (`kpt.checked_values`; the reference
+backend always): reading them would synchronize with the device. Unchecked, every backend stays
+inside its tensors and gives these defined results for values out of range:
+
+    moe_dispatch    a pair whose expert is outside [0, E) goes to no expert: such pairs sort after
+                    the last expert's rows, in pair order, and offsets[E] counts the routed pairs
+    grouped_linear  offsets are read as clamp(offsets, 0, M) made non-decreasing by a running
+                    maximum; rows outside [offsets[0], offsets[E]) give 0
+    moe_combine     an order value outside [0, T·k) is ignored; a pair no row names gives 0; a pair
+                    named by several rows takes the last of them (the other rows get no gradient)
 """
 
 from __future__ import annotations
@@ -31,7 +42,19 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, strided, transposed
+from ..spec import (
+    Args,
+    BadInput,
+    BadValues,
+    Case,
+    Check,
+    KernelSpec,
+    compute_dtype,
+    identity,
+    randn,
+    strided,
+    transposed,
+)
 
 INDEX_DTYPES = (torch.int32,)
 """Routing tensors (indices, offsets, order) are int32: 2³¹ rows is beyond any single call."""
@@ -56,9 +79,10 @@ def moe_dispatch(x: Tensor, indices: Tensor, num_experts: int) -> tuple[Tensor, 
 
     Every token row is repeated once per slot and the ``T·k`` copies are grouped by expert,
     stably (within an expert, in order of ``t·k + slot``). ``x``: ``[T, H]``; ``indices``:
-    int32 ``[T, k]`` with values in ``[0, num_experts)`` (not checked: that would read the
-    device). Returns ``(x_sorted [T·k, H], offsets int32 [E+1], order int32 [T·k])`` where expert
-    e owns rows ``offsets[e]:offsets[e+1]`` and ``order[r] = t·k + slot`` of sorted row r.
+    int32 ``[T, k]`` with values in ``[0, num_experts)`` (checked in checked mode; unchecked, a
+    pair out of range goes to no expert and sorts after the last expert's rows). Returns
+    ``(x_sorted [T·k, H], offsets int32 [E+1], order int32 [T·k])`` where expert e owns rows
+    ``offsets[e]:offsets[e+1]`` and ``order[r] = t·k + slot`` of sorted row r.
     Differentiable with respect to ``x``.
     """
     raise AssertionError("signature only: call backend.moe_dispatch")
@@ -68,8 +92,9 @@ def grouped_linear(x_sorted: Tensor, offsets: Tensor, weight: Tensor) -> Tensor:
     """One matmul per expert over its contiguous block of rows.
 
     ``y[r] = x_sorted[r] @ weight[e].T`` for ``offsets[e] <= r < offsets[e+1]``, float32
-    accumulation. ``x_sorted``: ``[M, K]``; ``offsets``: int32 ``[E+1]``, non-decreasing from 0 to
-    M (not checked: that would read the device); ``weight``: ``[E, N, K]``, dtype of x_sorted.
+    accumulation. ``x_sorted``: ``[M, K]``; ``offsets``: int32 ``[E+1]``, non-decreasing, in
+    ``[0, M]`` (checked in checked mode; unchecked, read as clamped to ``[0, M]`` and made
+    non-decreasing); rows outside ``[offsets[0], offsets[E])`` give 0; ``weight``: ``[E, N, K]``, dtype of x_sorted.
     Returns ``y [M, N]`` in x_sorted's dtype. Differentiable with respect to ``x_sorted`` and
     ``weight``.
     """
@@ -81,9 +106,10 @@ def moe_combine(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tensor:
 
     ``y[t] = Σ_slot weights[t, slot] · y_sorted[r]`` where ``order[r] = t·k + slot``; float32
     accumulation. ``y_sorted``: ``[T·k, H]``; ``order``: int32 ``[T·k]``, a permutation (as
-    `moe_dispatch` returns; not checked); ``weights``: ``[T, k]``, float32 or y_sorted's dtype.
-    Returns ``y [T, H]`` in y_sorted's dtype. Differentiable with respect to ``y_sorted`` and
-    ``weights``.
+    `moe_dispatch` returns; checked in checked mode; unchecked, a value out of range is ignored, a
+    pair no row names gives 0 and a pair named twice takes the later row); ``weights``:
+    ``[T, k]``, float32 or y_sorted's dtype. Returns ``y [T, H]`` in y_sorted's dtype.
+    Differentiable with respect to ``y_sorted`` and ``weights``.
     """
     raise AssertionError("signature only: call backend.moe_combine")
 
@@ -145,6 +171,33 @@ def validate_moe_combine(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return a
 
 
+def check_moe_dispatch_values(a: Args) -> None:
+    Check("moe_dispatch", ()).values_in("indices", a["indices"], 0, a["num_experts"], "num_experts")
+
+
+def check_grouped_linear_values(a: Args) -> None:
+    c = Check("grouped_linear", ())
+    offsets, rows = a["offsets"], a["x_sorted"].shape[0]
+    c.values_in("offsets", offsets, 0, rows + 1, f"x_sorted has {rows} rows")
+    drops = offsets[1:] < offsets[:-1]
+    if bool(drops.any()):
+        at = int(drops.nonzero()[0, 0]) + 1
+        raise c.fail("offsets", f"decreases at [{at}] ({int(offsets[at - 1])} then {int(offsets[at])}); "
+                                "expected non-decreasing")
+
+
+def check_moe_combine_values(a: Args) -> None:
+    c = Check("moe_combine", ())
+    order = a["order"]
+    c.values_in("order", order, 0, order.shape[0], "the T·k pairs")
+    # stable: of equal values the later position follows, so it is the first repeat of each
+    values, at = torch.sort(order, stable=True)
+    repeats = at[1:][values[1:] == values[:-1]]
+    if repeats.numel():
+        r = int(repeats.min())
+        raise c.fail("order", f"repeats {int(order[r])} at [{r}]; expected a permutation of the T·k pairs")
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference math.
 
@@ -187,8 +240,10 @@ def _token_of_pair(tokens: int, k: int, device: torch.device) -> Tensor:
 
 
 def moe_dispatch_forward(x: Tensor, indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(x_sorted, offsets, order)``."""
-    experts, order = torch.sort(indices.reshape(-1), stable=True)
+    """Returns ``(x_sorted, offsets, order)``; a pair routed outside ``[0, E)`` sorts as expert E."""
+    flat = indices.reshape(-1)
+    routed = (flat >= 0) & (flat < num_experts)
+    experts, order = torch.sort(torch.where(routed, flat, num_experts), stable=True)
     bounds = torch.arange(num_experts + 1, dtype=experts.dtype, device=x.device)
     offsets = torch.searchsorted(experts, bounds).to(torch.int32)
     token = _token_of_pair(indices.shape[0], indices.shape[1], x.device)[order]
@@ -209,19 +264,26 @@ def moe_dispatch_backward(
     return (per_pair.reshape(tokens, k, x.shape[1]).sum(1).to(x.dtype),)
 
 
-def _expert_rows(offsets: Tensor, rows: int, expert: int) -> Tensor:
+def expert_bounds(offsets: Tensor, rows: int) -> Tensor:
+    """The offsets as every backend reads them: clamped to ``[0, rows]`` and made non-decreasing
+    (a running maximum), so that bad values give empty experts, never overlapping ones."""
+    return offsets.clamp(0, rows).cummax(0).values
+
+
+def _expert_rows(bounds: Tensor, rows: int, expert: int) -> Tensor:
     """``[rows, 1]`` boolean: is row r in expert ``expert``'s block?"""
-    r = torch.arange(rows, device=offsets.device)[:, None]
-    return (r >= offsets[expert]) & (r < offsets[expert + 1])
+    r = torch.arange(rows, device=bounds.device)[:, None]
+    return (r >= bounds[expert]) & (r < bounds[expert + 1])
 
 
 def grouped_linear_forward(x_sorted: Tensor, offsets: Tensor, weight: Tensor) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     ct = compute_dtype(x_sorted.dtype)
     x, w = x_sorted.to(ct), weight.to(ct)
+    bounds = expert_bounds(offsets, x.shape[0])
     y = torch.zeros(x.shape[0], w.shape[1], dtype=ct, device=x.device)
     for e in range(w.shape[0]):
-        y = torch.where(_expert_rows(offsets, x.shape[0], e), x @ w[e].T, y)
+        y = torch.where(_expert_rows(bounds, x.shape[0], e), x @ w[e].T, y)
     return (y.to(x_sorted.dtype),)
 
 
@@ -233,19 +295,32 @@ def grouped_linear_backward(
         return x_sorted.new_zeros(x_sorted.shape), weight.new_zeros(weight.shape)
     ct = compute_dtype(x_sorted.dtype)
     x, w, g = x_sorted.to(ct), weight.to(ct), dy.to(ct)
+    bounds = expert_bounds(offsets, x.shape[0])
     dx = x.new_zeros(x.shape)
     dws = []
     for e in range(w.shape[0]):
-        ge = g * _expert_rows(offsets, x.shape[0], e)
+        ge = g * _expert_rows(bounds, x.shape[0], e)
         dx = dx + ge @ w[e]
         dws.append(ge.T @ x)
     dw = torch.stack(dws) if dws else w.new_zeros(w.shape)
     return dx.to(x_sorted.dtype), dw.to(weight.dtype)
 
 
+def row_of_pair(order: Tensor) -> Tensor:
+    """``[P]`` int64: the sorted row that names each pair, ``-1`` where none does; values of
+    ``order`` outside ``[0, P)`` are ignored, and of rows naming one pair the last wins."""
+    pairs = order.shape[0]
+    o = order.long()
+    named = (o >= 0) & (o < pairs)
+    rows = torch.arange(pairs, device=order.device)
+    none = torch.full((pairs,), -1, dtype=torch.int64, device=order.device)
+    return none.scatter_reduce(0, torch.where(named, o, 0), torch.where(named, rows, -1), "amax")
+
+
 def _unsort(rows: Tensor, order: Tensor) -> Tensor:
-    """Rows in expert order back to pair order ``t·k + slot``."""
-    return rows.new_zeros(rows.shape).index_copy(0, order.long(), rows)
+    """Rows in expert order back to pair order ``t·k + slot`` (0 for a pair no row names)."""
+    inverse = row_of_pair(order)
+    return torch.where(inverse[:, None] >= 0, rows.index_select(0, inverse.clamp(min=0)), 0)
 
 
 def moe_combine_forward(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tuple[Tensor]:
@@ -270,7 +345,10 @@ def moe_combine_backward(
     pairs = _unsort(y_sorted.to(ct), order).reshape(tokens, k, hidden)
     dweights = (pairs * g).sum(-1)
     dpairs = (g * weights.to(ct)[:, :, None]).reshape(tokens * k, hidden)
-    dy_sorted = dpairs.index_select(0, order.long())
+    # a row gets its pair's gradient only where it is the row the forward read for that pair
+    pair = order.long().clamp(0, max(tokens * k - 1, 0))
+    read = row_of_pair(order).index_select(0, pair) == torch.arange(tokens * k, device=order.device)
+    dy_sorted = torch.where(read[:, None], dpairs.index_select(0, pair), 0)
     return dy_sorted.to(y_sorted.dtype), dweights.to(weights.dtype)
 
 
@@ -334,10 +412,11 @@ def _make_dispatch(g: torch.Generator, dtype: torch.dtype, *, tokens: int, hidde
 
 
 def _make_grouped(g: torch.Generator, dtype: torch.dtype, *, rows: int, k_dim: int, n_dim: int,
-                  experts: int, skewed: bool = False, x_layout=identity, w_layout=identity) -> Args:
-    indices = _route(g, rows, experts, 1, skewed=skewed)
+                  experts: int, skewed: bool = False, gap: int = 0, x_layout=identity, w_layout=identity) -> Args:
+    """``gap`` rows before the first expert's and after the last one's belong to no expert."""
+    indices = _route(g, rows - 2 * gap, experts, 1, skewed=skewed)
     weight = randn(g, experts, n_dim, k_dim, dtype=dtype, scale=max(k_dim, 1) ** -0.5)
-    return {"x_sorted": x_layout(randn(g, rows, k_dim, dtype=dtype)), "offsets": _offsets(indices, experts),
+    return {"x_sorted": x_layout(randn(g, rows, k_dim, dtype=dtype)), "offsets": _offsets(indices, experts) + gap,
             "weight": w_layout(weight)}
 
 
@@ -417,6 +496,8 @@ _GROUPED_CASES = _cases_of(_make_grouped, {
     "transposed_weight": {"rows": 96, "k_dim": 128, "n_dim": 64, "experts": 4, "w_layout": transposed},
     "zero_rows": {"rows": 0, "k_dim": 64, "n_dim": 32, "experts": 4},
     "zero_k": {"rows": 8, "k_dim": 0, "n_dim": 32, "experts": 4},
+    # rows outside [offsets[0], offsets[E]) belong to no expert and give 0 (padding rows)
+    "unrouted_rows": {"rows": 150, "k_dim": 64, "n_dim": 48, "experts": 4, "gap": 20},
     # Mixtral-8x7B w1: 16384 tokens x top-2; 8 experts keep the masked reference (E times the
     # work of one matmul) usable as the eager baseline
     "perf": {"rows": 32768, "k_dim": 4096, "n_dim": 14336, "experts": 8, "perf": True},
@@ -498,6 +579,66 @@ def _combine_bad() -> list[BadInput]:
     ]
 
 
+# Out-of-range routing values: the checked mode names them, unchecked kernels stay inside their
+# tensors and give the defined results of the module docstring. Extremes of int32 catch index
+# arithmetic that wraps.
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _dispatch_values() -> list[BadValues]:
+    def make(bad: list[int]) -> Args:
+        g = torch.Generator().manual_seed(len(bad))
+        indices = _route(g, 40, 8, 2)
+        flat = indices.view(-1)
+        flat[torch.randperm(flat.numel(), generator=g)[: len(bad)]] = torch.tensor(bad, dtype=torch.int32)
+        return {"x": randn(g, 40, 64, dtype=torch.float32), "indices": indices, "num_experts": 8}
+
+    return [
+        BadValues("expert_equals_num_experts", lambda: make([8]), "indices"),
+        BadValues("expert_negative", lambda: make([-1] * 10), "indices"),
+        BadValues("expert_int32_extremes", lambda: make([_INT32_MAX, _INT32_MIN, 9, -3]), "indices"),
+    ]
+
+
+def _grouped_values() -> list[BadValues]:
+    def make(offsets: list[int]) -> Args:
+        g = torch.Generator().manual_seed(len(offsets))
+        return {"x_sorted": randn(g, 100, 32, dtype=torch.float32),
+                "offsets": torch.tensor(offsets, dtype=torch.int32),
+                "weight": randn(g, len(offsets) - 1, 24, 32, dtype=torch.float32, scale=32**-0.5)}
+
+    return [
+        BadValues("offsets_decreasing", lambda: make([0, 50, 20, 100]), "offsets"),
+        BadValues("offsets_past_rows", lambda: make([0, 30, 500]), "offsets"),
+        BadValues("offsets_negative", lambda: make([-7, 40, 100]), "offsets"),
+        BadValues("offsets_int32_extremes", lambda: make([0, _INT32_MAX, _INT32_MIN, 100]), "offsets"),
+    ]
+
+
+def _combine_values() -> list[BadValues]:
+    def make(change: Callable[[Tensor], None]) -> Args:
+        g = torch.Generator().manual_seed(3)
+        order = _order(_route(g, 40, 8, 2))
+        change(order)
+        weights = torch.softmax(torch.randn(40, 2, generator=g, dtype=torch.float64), -1).float()
+        return {"y_sorted": randn(g, 80, 64, dtype=torch.float32), "order": order, "weights": weights}
+
+    def out_of_range(order: Tensor) -> None:
+        order[[3, 50, 79]] = torch.tensor([80, -1, _INT32_MIN], dtype=torch.int32)
+
+    def repeated(order: Tensor) -> None:
+        order[[10, 11, 60]] = order[[5, 5, 0]]
+
+    def extremes(order: Tensor) -> None:
+        order[::2] = _INT32_MAX
+
+    return [
+        BadValues("order_out_of_range", lambda: make(out_of_range), "order"),
+        BadValues("order_repeated", lambda: make(repeated), "order"),
+        BadValues("order_int32_extremes", lambda: make(extremes), "order"),
+    ]
+
+
 MOE_GATING = KernelSpec(
     name="moe_gating",
     signature=moe_gating,
@@ -522,6 +663,8 @@ MOE_DISPATCH = KernelSpec(
     flops=_dispatch_flops,
     cases=_DISPATCH_CASES,
     bad_inputs=_dispatch_bad,
+    check_values=check_moe_dispatch_values,
+    bad_values=_dispatch_values,
 )
 
 GROUPED_LINEAR = KernelSpec(
@@ -535,6 +678,8 @@ GROUPED_LINEAR = KernelSpec(
     flops=_grouped_linear_flops,
     cases=_GROUPED_CASES,
     bad_inputs=_grouped_bad,
+    check_values=check_grouped_linear_values,
+    bad_values=_grouped_values,
 )
 
 MOE_COMBINE = KernelSpec(
@@ -548,6 +693,8 @@ MOE_COMBINE = KernelSpec(
     flops=_combine_flops,
     cases=_COMBINE_CASES,
     bad_inputs=_combine_bad,
+    check_values=check_moe_combine_values,
+    bad_values=_combine_values,
 )
 
 SPECS = (MOE_GATING, MOE_DISPATCH, GROUPED_LINEAR, MOE_COMBINE)

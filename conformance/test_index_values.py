@@ -1,0 +1,66 @@
+"""Index values out of range: named by the checked mode, harmless without it.
+
+Every kernel with index-like inputs (targets, expert ids, offsets, permutations) gets calls whose
+shapes are valid but whose values are not (`KernelSpec.bad_values`):
+
+* in checked mode (`kpt.checked_values`) each raises `kpt.KernelInputError` naming the kernel and
+  the argument, and leaves its inputs unchanged;
+* without it, a backend that checks by default (`Backend.checks_values`) raises the same error; any
+  other backend must stay inside its tensors and return the contract's defined result for those
+  values (the reference math on float64 copies, computed with checks off), forward and backward,
+  with outputs poisoned so that an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kpt
+from kpt.testing import check_backward, check_forward, to_device
+
+CASES = [(spec, bad) for spec in kpt.SPECS.values() for bad in spec.bad_values()]
+IDS = [f"{s.name}-{b.name}" for s, b in CASES]
+
+
+def _inputs(backend: kpt.Backend, bad: kpt.BadValues) -> dict:
+    return to_device(bad.make(), backend.device())
+
+
+def _snapshot(args: dict) -> dict:
+    return {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+
+
+def _assert_raises_naming(backend: kpt.Backend, spec: kpt.KernelSpec, bad: kpt.BadValues, args: dict) -> None:
+    before = _snapshot(args)
+    with pytest.raises(kpt.KernelInputError) as info:
+        backend.call(spec.name, **args)
+    message = str(info.value)
+    assert spec.name in message and f"'{bad.arg}'" in message, f"error does not name {spec.name}/{bad.arg}: {message}"
+    for k, v in before.items():
+        assert torch.equal(args[k], v), f"input '{k}' was modified"
+
+
+@pytest.mark.parametrize("spec, bad", CASES, ids=IDS)
+def test_checked_mode_names_the_value(backend: kpt.Backend, spec: kpt.KernelSpec, bad: kpt.BadValues,
+                                      record_property) -> None:
+    record_property("kpt", {"kernel": spec.name, "kind": "errors"})
+    with kpt.checked_values():
+        _assert_raises_naming(backend, spec, bad, _inputs(backend, bad))
+
+
+@pytest.mark.parametrize("spec, bad", CASES, ids=IDS)
+def test_unchecked_stays_defined(backend: kpt.Backend, spec: kpt.KernelSpec, bad: kpt.BadValues,
+                                 record_property) -> None:
+    record_property("kpt", {"kernel": spec.name, "kind": "errors"})
+    args = _inputs(backend, bad)
+    if backend.checks_values:
+        _assert_raises_naming(backend, spec, bad, args)
+        return
+    # the oracle (the reference backend) checks by default: its math gives the defined values
+    with kpt.checked_values(False):
+        report = check_forward(backend, spec, args, torch.float32)
+        assert report.ok, report.message
+        if spec.differentiable:
+            report = check_backward(backend, spec, args, torch.float32, torch.Generator().manual_seed(0))
+            assert report.ok, report.message
