@@ -147,7 +147,8 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [f"### Conformance: `{data['backend']}` (profile `{data['profile']}`)", "",
              f"Versions: {versions}. Device: {data['device']}. Environment: {env}.", "",
              f"Inputs seed {data['seed']}: `kpt check --backend {data['backend']} --seed {data['seed']}` replays them.",
-             "", "| kernel | status | passed | failed | xfailed | worst err / tol | speed |", "|---|---|---|---|---|---|---|"]
+             "", "| kernel | status | passed | failed | xfailed | worst err / tol | speed |",
+             "|---|---|---|---|---|---|---|"]
     kernels = data["kernels"]
     for kernel, row in kernels.items():
         status = row["status"] + (f" ({', '.join(row['missing'])})" if row["missing"] else "")
