@@ -37,9 +37,10 @@ class PerfBar:
     ``min_speedup``: at least this many times faster than torch eager on the same device (a
     simulator's bar is below 1: at most 1/x times slower than the reference backend);
     ``min_ceiling_fraction``: at least this fraction of the bounding ceiling (copy bandwidth or
-    matmul rate) measured in the same run. ``cases``: "perf" times the PERF.md shape on the
-    device; "conformance" times the conformance shapes on the CPU (simulators). ``None`` means
-    not promised.
+    matmul rate) measured in the same run. ``None`` means not promised. ``cases``: "perf" times
+    the PERF.md shape on the device, against these bars; "conformance" (simulators) times the
+    conformance shapes on the CPU against the reference backend and reports it without gating:
+    CPU timing swings too much between runs to hold a bar.
     """
 
     min_speedup: float | None = None
