@@ -1,11 +1,13 @@
 """Sessions for kpt: unit tests, the conformance suite per backend, its report, lint and benchmarks.
 
-    nox -s conformance report     # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance # what CI runs
+    nox                                  # every session this machine can run
+    nox -s conformance report            # the main job: every backend that can run here, then the report
+    nox -s lint tests conformance example  # what CI runs
+    nox -s vendor -- ../kpt-acme         # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
-Each conformance session installs kpt-core, one backend package (with the packages it builds on)
-and pytest, and nothing else.
+Each conformance session installs kpt-core, the suite (kpt-conformance), one backend package (with
+the packages it builds on) and nothing else, and runs `kpt check` on it.
 """
 
 from __future__ import annotations
@@ -25,18 +27,24 @@ HAS_NVIDIA_GPU = shutil.which("nvidia-smi") is not None
 CUDA_ENV = {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}
 CUDA_EXTRA = () if HAS_NVIDIA_GPU else ("numpy",)
 
-# conformance profile -> (backend name, packages to install, other requirements, environment)
+# conformance profile -> (backend name, packages to install, other requirements, environment); a
+# profile is named as its backend names its configuration (`kpt.Backend.conformance_profile`): the
+# report goes to reports/<profile>/ and the expected failures are conformance/xfails/<profile>.txt
+CUDA_PROFILE = "cuda" if HAS_NVIDIA_GPU else "cuda-interpret"
 PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
     "reference": ("reference", (), (), {}),
-    "cuda": ("cuda", ("kpt-triton", "kpt-cuda"), CUDA_EXTRA, CUDA_ENV),
+    CUDA_PROFILE: ("cuda", ("kpt-triton", "kpt-cuda"), CUDA_EXTRA, CUDA_ENV),
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
 }
-PACKAGES = ("kpt-core", "kpt-triton", "kpt-cuda", "kpt-fpga-sim")
+BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
+PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-fpga-sim")
+EXAMPLE = "examples/kpt-example"
 
 
 def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), editable: bool = False) -> None:
-    paths = [f"packages/{p}" for p in ("kpt-core", *packages)]
+    """The `BASE` packages and ``packages`` (names under packages/), with pytest and ``extra``."""
+    paths = [f"packages/{p}" for p in (*BASE, *packages)]
     if editable:
         paths = [arg for p in paths for arg in ("-e", p)]
     session.install(*CONSTRAINTS, "pytest", *extra, *paths)
@@ -45,7 +53,7 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's unit tests on the CPU (Triton kernels through the interpreter)."""
-    _install(session, *PACKAGES[1:], extra=("numpy",), editable=True)
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy",), editable=True)
     # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton)
     for package in PACKAGES:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
@@ -55,11 +63,35 @@ def tests(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("profile", list(PROFILES))
 def conformance(session: nox.Session, profile: str) -> None:
-    """The conformance suite for one backend profile; writes reports/<profile>/."""
+    """The conformance suite for one backend profile (`kpt check`); writes reports/<profile>/.
+    Arguments after -- go to pytest (``-x``, ``-k rms_norm``, ``--kpt-kernels rms_norm``)."""
     backend, packages, extra, env = PROFILES[profile]
     _install(session, *packages, extra=extra)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "conformance", "--kpt-backend", backend,
-                "--kpt-report", f"reports/{profile}", *session.posargs, env=env)
+    session.run("kpt", "check", "--backend", backend, "--report", f"reports/{profile}",
+                "--xfails", "conformance/xfails", "--", *session.posargs, env=env)
+
+
+@nox.session
+def example(session: nox.Session) -> None:
+    """The example backend from outside kpt's packages, checked as a vendor checks one: installed
+    beside kpt-core and the suite, `kpt check` run from a temporary directory, its report asserted."""
+    _install(session)
+    session.install(*CONSTRAINTS, EXAMPLE)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", f"{EXAMPLE}/tests", *session.posargs)
+
+
+@nox.session(default=False)
+def vendor(session: nox.Session) -> None:
+    """`kpt check` on every backend of a package from outside kpt: ``nox -s vendor -- PATH_OR_REQUIREMENT``;
+    reports in reports/vendor-<backend>/."""
+    if not session.posargs:
+        session.error("name the backend package: nox -s vendor -- ../kpt-acme (a path or a requirement)")
+    _install(session)
+    session.install(*CONSTRAINTS, *session.posargs)
+    listed = session.run("python", "-c", "import kpt; print(*(i.name for i in kpt.list_backends()))", silent=True)
+    for backend in listed.split():
+        if backend != "reference":
+            session.run("kpt", "check", "--backend", backend, "--report", f"reports/vendor-{backend}")
 
 
 @nox.session(venv_backend="none")
@@ -78,11 +110,12 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
 
-@nox.session
+@nox.session(default=HAS_NVIDIA_GPU)
 @nox.parametrize("backend", ["cuda"])
 def bench(session: nox.Session, backend: str) -> None:
-    """Benchmarks against torch eager and torch.compile on the backend's device (needs a GPU)."""
-    _, packages, extra, _ = PROFILES[backend]
+    """Benchmarks against torch eager and torch.compile on the backend's device (needs a GPU: not
+    among the sessions a plain ``nox`` runs on a machine without one)."""
+    _, packages, extra, _ = next(p for p in PROFILES.values() if p[0] == backend)
     _install(session, *packages, extra=extra)
     session.run("python", "-m", "kpt.benchmark", "--backend", backend, "--out", f"reports/bench-{backend}",
                 *session.posargs)

@@ -8,16 +8,15 @@ out=${1:?usage: gpu_check.sh OUTDIR [stages...]}; shift
 stages=${*:-numerics perf bench memcheck}
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation \
-  -e packages/kpt-core -e packages/kpt-triton -e packages/kpt-cuda || exit 1
+  -e packages/kpt-core -e packages/kpt-conformance -e packages/kpt-triton -e packages/kpt-cuda || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$out/environment.txt"
 for stage in $stages; do
   case $stage in
-    numerics) python3 -m pytest conformance --kpt-backend cuda -q -p no:cacheprovider -k "not test_speed" \
-                --kpt-report "$out/numerics" 2>&1 | tail -n 40 ;;
-    perf) python3 -m pytest conformance/test_performance.py --kpt-backend cuda -q -p no:cacheprovider -rs \
-            --kpt-report "$out/perf" 2>&1 | tail -n 40 ;;
+    numerics) kpt check --backend cuda --xfails conformance/xfails --report "$out/numerics" -- -q -k "not test_speed" \
+                2>&1 | tail -n 40 ;;
+    perf) kpt check --backend cuda --report "$out/perf" -- -q -rs -k test_speed 2>&1 | tail -n 40 ;;
     bench) python3 -m kpt.benchmark --backend cuda --out "$out/bench" 2>&1 | tail -n 60 ;;
     memcheck) compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/every_kernel.py --backend cuda \
                 2>&1 | tail -n 30 | tee "$out/memcheck.txt" ;;

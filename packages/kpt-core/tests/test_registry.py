@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -90,11 +91,50 @@ def test_plugin_backend_runs_kernels_in_its_own_namespace(registry: kpt.Registry
     assert hasattr(torch.ops.kpt_fixture_fast, "rms_norm")
 
 
-def test_incomplete_backend_is_refused_at_call_too() -> None:
+def test_incomplete_backend_is_refused_at_bind_and_runs_only_what_it_has() -> None:
     from kpt_fixture_plugins.backends import Incomplete
 
-    with pytest.raises(kpt.BackendError, match="missing kernels: rms_norm"):
-        Incomplete().rms_norm(torch.randn(2, 2))
+    be = Incomplete()
+    with pytest.raises(kpt.BackendError, match=r"missing kernels: rms_norm \(forward, backward\)"):
+        be.bind()
+    with pytest.raises(kpt.BackendError, match=r"missing kernel 'rms_norm' \(forward\)"):
+        be.rms_norm(torch.randn(2, 2))
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(be.silu(x), x * torch.sigmoid(x))
+
+
+def test_missing_backward_alone_is_named_as_such() -> None:
+    from kpt.reference import ReferenceBackend
+
+    kernels = ReferenceBackend().kernels()
+    kernels["silu"] = kpt.Kernel(kernels["silu"].forward)
+    del kernels["quantize_fp8"]
+    missing = kpt.missing_kernels(kernels)
+    assert missing == {"silu": ("backward",), "quantize_fp8": ("forward",)}
+    assert kpt.describe_missing(missing) == "silu (backward), quantize_fp8 (forward)"
+
+
+def _module(name: str, **functions) -> types.ModuleType:
+    module = types.ModuleType(name)
+    vars(module).update(functions)
+    return module
+
+
+def test_kernels_from_collects_fwd_and_bwd_last_module_wins() -> None:
+    first = _module("first", silu_fwd=abs, silu_bwd=max, gelu_fwd=min)
+    second = _module("second", silu_fwd=round)
+    found = kpt.kernels_from(first, second)
+    assert found == {"silu": kpt.Kernel(round, None), "gelu": kpt.Kernel(min, None)}
+
+
+@pytest.mark.parametrize("functions, message", [
+    ({"silu_forward": abs}, "silu_forward look like kernel bodies; kpt.kernels_from finds them only as silu_fwd"),
+    ({"silu_fwd": abs, "silu_backward": abs}, "silu_backward .* only as silu_bwd"),
+    ({"silu_bwd": abs}, "silu_bwd has no silu_fwd beside it"),
+])
+def test_kernels_from_refuses_misnamed_bodies(functions: dict, message: str) -> None:
+    with pytest.raises(kpt.BackendError, match=message):
+        kpt.kernels_from(_module("vendor_kernels", **functions))
 
 
 def test_global_get_backend_is_reference_on_a_cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:

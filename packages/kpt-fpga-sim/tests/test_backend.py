@@ -29,7 +29,7 @@ def fx(be) -> FpgaSimBackend:
 def test_registered_opt_in_with_every_kernel(be) -> None:
     assert isinstance(be, FpgaSimBackend) and be.simulator and be.device_type == "cpu"
     assert kpt.get_backend().name != "fpga-sim"
-    assert kpt.missing_kernels(be.kernels()) == []
+    assert kpt.missing_kernels(be.kernels()) == {}
     assert be.config.describe() == "float32 on u250 at 300 MHz"
 
 

@@ -37,9 +37,10 @@ class PerfBar:
     ``min_speedup``: at least this many times faster than torch eager on the same device (a
     simulator's bar is below 1: at most 1/x times slower than the reference backend);
     ``min_ceiling_fraction``: at least this fraction of the bounding ceiling (copy bandwidth or
-    matmul rate) measured in the same run. ``cases``: "perf" times the PERF.md shape on the
-    device; "conformance" times the conformance shapes on the CPU (simulators). ``None`` means
-    not promised.
+    matmul rate) measured in the same run. ``None`` means not promised. ``cases``: "perf" times
+    the PERF.md shape on the device, against these bars; "conformance" (simulators) times the
+    conformance shapes on the CPU against the reference backend and reports it without gating:
+    CPU timing swings too much between runs to hold a bar.
     """
 
     min_speedup: float | None = None
@@ -119,16 +120,20 @@ class Backend(abc.ABC):
 
     def bind(self) -> dict[str, Any]:
         """Register this backend's custom ops (once); `kpt.get_backend` does it before returning,
-        so that a call inside ``torch.compile`` only traces the op."""
+        so that a call inside ``torch.compile`` only traces the op. A backend that lacks kernels
+        is refused here (`BackendError`)."""
+        if self._bound.missing:
+            raise BackendError(f"backend {self.name!r} is missing kernels: {describe_missing(self._bound.missing)}")
         return self._bound.ops
 
     @functools.cached_property
     def _bound(self) -> _Bound:
-        kernels = self.kernels()
-        missing = missing_kernels(kernels)
-        if missing:
-            raise BackendError(f"backend {self.name!r} is missing kernels: {', '.join(missing)}")
-        return _Bound(kernels, register_all(self.op_namespace, kernels), eager_functions(kernels))
+        # an incomplete backend still runs the kernels it has (the conformance suite checks a
+        # backend kernel by kernel); each missing body raises BackendError when called
+        given = self.kernels()
+        missing = missing_kernels(given)
+        kernels = _with_missing_bodies(self.name, given, missing)
+        return _Bound(kernels, register_all(self.op_namespace, kernels), eager_functions(kernels), missing)
 
     def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
         """Validate a call of ``kernel`` against its spec and run it on this backend."""
@@ -163,11 +168,13 @@ class Backend(abc.ABC):
 
 
 class _Bound(NamedTuple):
-    """A backend's kernel bodies, their custom ops and their eager autograd functions."""
+    """A backend's kernel bodies, their custom ops, their eager autograd functions, and what the
+    backend lacks (its bodies here raise)."""
 
     kernels: Mapping[str, Kernel]
     ops: dict[str, Any]
     functions: dict[str, Callable[..., Any]]
+    missing: Mapping[str, tuple[str, ...]]
 
 
 def _needs_grad(spec: KernelSpec, args: Mapping[str, Any]) -> bool:
@@ -178,22 +185,70 @@ def _needs_grad(spec: KernelSpec, args: Mapping[str, Any]) -> bool:
     return False
 
 
-def missing_kernels(kernels: Mapping[str, Kernel]) -> list[str]:
-    """The contract kernels that ``kernels`` lacks (or lacks the backward of)."""
-    return [
-        name for name, spec in SPECS.items()
-        if name not in kernels or (spec.differentiable and kernels[name].backward is None)
-    ]
+def missing_kernels(kernels: Mapping[str, Kernel]) -> dict[str, tuple[str, ...]]:
+    """The contract kernels that ``kernels`` lacks, each with the bodies it lacks: ``("forward",
+    "backward")`` for a differentiable kernel absent altogether, ``("forward",)`` for another,
+    ``("backward",)`` for a differentiable kernel given without its backward."""
+    missing: dict[str, tuple[str, ...]] = {}
+    for name, spec in SPECS.items():
+        if name not in kernels:
+            missing[name] = ("forward", "backward") if spec.differentiable else ("forward",)
+        elif spec.differentiable and kernels[name].backward is None:
+            missing[name] = ("backward",)
+    return missing
+
+
+def describe_missing(missing: Mapping[str, tuple[str, ...]]) -> str:
+    """``rms_norm (forward, backward), silu (backward)``: what `missing_kernels` found, in words."""
+    return ", ".join(f"{name} ({', '.join(parts)})" for name, parts in missing.items())
+
+
+def _with_missing_bodies(backend: str, kernels: Mapping[str, Kernel],
+                         missing: Mapping[str, tuple[str, ...]]) -> dict[str, Kernel]:
+    """``kernels`` completed with bodies that raise `BackendError` naming what the backend lacks."""
+
+    def absent(kernel: str, part: str) -> Callable[..., Any]:
+        def body(*args: Any) -> Any:
+            raise BackendError(f"backend {backend!r} is missing kernel {kernel!r} ({part})")
+
+        return body
+
+    complete = dict(kernels)
+    for name, parts in missing.items():
+        given = kernels.get(name)
+        forward = given.forward if given is not None else absent(name, "forward")
+        complete[name] = Kernel(forward, absent(name, "backward") if "backward" in parts else None)
+    return complete
+
+
+# what a body misnamed for `kernels_from` tends to be called, and the name it must have
+_NEAR_MISSES = {"_forward": "_fwd", "_backward": "_bwd"}
 
 
 def kernels_from(*modules: types.ModuleType) -> dict[str, Kernel]:
-    """Collect ``<kernel>_fwd`` / ``<kernel>_bwd`` functions from a backend's kernel modules."""
+    """Collect the kernel bodies of a backend's kernel modules, by name.
+
+    For every kernel of the contract, ``<kernel>_fwd`` is its forward body and ``<kernel>_bwd``
+    its backward body (differentiable kernels). When several modules define one, the last
+    module given wins (a vendor's specialized module after the portable ones). Nothing is
+    skipped without a word: a ``<kernel>_bwd`` without its ``<kernel>_fwd``, or a function
+    named like a body under the other spelling (``<kernel>_forward``, ``<kernel>_backward``)
+    raises `BackendError`.
+    """
     found: dict[str, Kernel] = {}
     for name in SPECS:
         for module in modules:
+            misnamed = [f"{name}{bad}" for bad in _NEAR_MISSES if hasattr(module, f"{name}{bad}")]
+            if misnamed:
+                good = [f"{name}{_NEAR_MISSES[m.removeprefix(name)]}" for m in misnamed]
+                raise BackendError(f"{module.__name__}: {', '.join(misnamed)} look like kernel bodies; "
+                                   f"kpt.kernels_from finds them only as {', '.join(good)}")
             fwd = getattr(module, f"{name}_fwd", None)
+            bwd = getattr(module, f"{name}_bwd", None)
+            if bwd is not None and fwd is None:
+                raise BackendError(f"{module.__name__}: {name}_bwd has no {name}_fwd beside it")
             if fwd is not None:
-                found[name] = Kernel(fwd, getattr(module, f"{name}_bwd", None))
+                found[name] = Kernel(fwd, bwd)
     return found
 
 

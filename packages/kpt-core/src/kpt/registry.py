@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs, reference
-from .backend import CONTRACT_VERSION, Backend, missing_kernels
+from .backend import CONTRACT_VERSION, Backend, describe_missing, missing_kernels
 from .errors import BackendError
 
 ENTRY_POINT_GROUP = "kpt.backends"
@@ -97,7 +97,7 @@ class Registry:
         except Exception as exc:
             return self._fail(plugin, name, "kernels() or is_available() raised", exc)
         if missing:
-            return self._fail(plugin, name, f"refused: missing kernels: {', '.join(missing)}", None)
+            return self._fail(plugin, name, f"refused: missing kernels: {describe_missing(missing)}", None)
         self.backends[name] = backend
         self.infos[name] = BackendInfo(
             name, backend.vendor, backend.device_type, backend.priority, backend.simulator,

@@ -60,6 +60,9 @@ class Case:
     tolerance_scale: float = 1.0
     """Widens every tolerance for an ill-conditioned case, where the float32 reference itself
     errs by more than the table allows (its spec says why)."""
+    description: str = ""
+    """What the case probes, for a reader of a failure ("inputs scaled by 1e-4"); the name alone
+    when empty."""
 
 
 @dataclass(frozen=True)
@@ -345,7 +348,11 @@ def row_cases(make: Callable[..., Args], perf_shape: tuple[int, ...], *, extreme
     def case(name: str, **kw: Any) -> Case:
         perf = kw.pop("perf", False)
         scale = extreme_tolerance_scale if name in ("huge", "tiny") else 1.0
-        return Case(name, lambda g, dtype: make(g, dtype, **kw), perf=perf, tolerance_scale=scale)
+        layout = "non-contiguous rows, " if kw.get("layout") is strided else ""
+        scaled = f", inputs scaled by {kw['scale']:g}" if "scale" in kw else ""
+        description = f"{layout}shape {kw['shape']}{scaled}"
+        return Case(name, lambda g, dtype: make(g, dtype, **kw), perf=perf, tolerance_scale=scale,
+                    description=description)
 
     cases = [case(name, shape=shape) for name, shape in ROW_SHAPES.items()]
     cases += [

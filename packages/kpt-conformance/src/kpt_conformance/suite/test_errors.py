@@ -18,8 +18,9 @@ def _on(device: torch.device, args: dict) -> dict:
 
 
 @pytest.mark.parametrize("spec, bad", CASES, ids=[f"{s.name}-{b.name}" for s, b in CASES])
-def test_bad_input(backend: kpt.Backend, spec: kpt.KernelSpec, bad: kpt.BadInput, record_property) -> None:
-    record_property("kpt", {"kernel": spec.name, "kind": "errors"})
+def test_bad_input(backend: kpt.Backend, device: torch.device, spec: kpt.KernelSpec, bad: kpt.BadInput,
+                   record_property) -> None:
+    record_property("kpt", {"kernel": spec.name, "kind": "errors", "case": bad.name})
     with pytest.raises(bad.error) as info:
-        backend.call(spec.name, **_on(backend.device(), bad.make()))
+        backend.call(spec.name, **_on(device, bad.make()))
     assert spec.name in str(info.value), f"error does not name the kernel: {info.value}"

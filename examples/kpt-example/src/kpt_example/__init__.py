@@ -1,0 +1,1 @@
+"""An example kpt backend package: see README.md."""

@@ -1,0 +1,30 @@
+"""`kpt check`: the command's options reach `kpt_conformance.check` unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+import kpt_conformance
+from kpt import cli
+
+
+def test_check_passes_every_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(kpt_conformance, "check", lambda *a, **kw: calls.append((a, kw)) or 3)
+    status = cli.main(["check", "--backend", "acme", "--device", "cuda:1", "--dtypes", "float32,bfloat16",
+                       "--kernels", "rms_norm", "--seed", "7", "--report", "out", "--xfails", "x.txt", "--", "-x"])
+    assert status == 3
+    assert calls == [(("acme",), {"device": "cuda:1", "dtypes": ["float32", "bfloat16"], "kernels": ["rms_norm"],
+                                  "seed": 7, "report": "out", "xfails": "x.txt", "pytest_args": ["-x"]})]
+
+
+def test_check_without_a_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2 and "check" in capsys.readouterr().err
+
+
+def test_unknown_kernel_is_refused_before_any_test(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert kpt_conformance.check("reference", kernels=["rms_nrom"], report=str(tmp_path / "r")) == 4  # usage error
+    assert not (tmp_path / "r").exists()

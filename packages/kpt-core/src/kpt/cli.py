@@ -1,0 +1,50 @@
+"""The ``kpt`` command. Each subcommand parses its options and calls one library function.
+
+    kpt check --backend mydevice [--device cuda:1] [--dtypes float32,bfloat16] [--kernels rms_norm,silu]
+              [--seed N] [--report DIR] [--xfails FILE_OR_DIR] [-- PYTEST_ARGS...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        from kpt_conformance import check
+    except ImportError:
+        sys.exit("kpt check needs the conformance suite: pip install kpt-conformance")
+    return check(args.backend, device=args.device, dtypes=args.dtypes, kernels=args.kernels, seed=args.seed,
+                 report=args.report, xfails=args.xfails, pytest_args=args.pytest_args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kpt", description="kpt: one kernel API for many accelerators")
+    commands = p.add_subparsers(dest="command", required=True)
+    check = commands.add_parser(
+        "check", help="run the conformance suite on an installed backend",
+        description="Run the conformance suite on an installed backend and write conformance.json and "
+                    ".md; exits non-zero when a kernel fails or is missing. Arguments after -- go to pytest.")
+    check.add_argument("--backend", default=os.environ.get("KPT_BACKEND", "reference"),
+                       help="the backend to check (default: $KPT_BACKEND or reference)")
+    check.add_argument("--device", help="the device of the inputs, e.g. cuda:1 (default: the backend's)")
+    check.add_argument("--dtypes", type=_csv, default=[], help="comma-separated dtypes (default: the backend's)")
+    check.add_argument("--kernels", type=_csv, default=[], help="comma-separated kernels (default: all)")
+    check.add_argument("--seed", type=int, help="replay the random inputs of a run (its report names the seed)")
+    check.add_argument("--report", help="the report directory (default: reports/<profile>)")
+    check.add_argument("--xfails", help="expected failures: a file, or a directory holding <profile>.txt")
+    check.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest (-x, -k EXPR, -v)")
+    check.set_defaults(run=_check)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.run(args)
