@@ -1,8 +1,8 @@
 """Tuning tables per NVIDIA architecture: keyword arguments bound into the kpt_triton launchers.
 
-A table maps a launcher name (``rms_norm_fwd``...) to the values of its keyword-only tuning
-parameters; a launcher that is absent, or a parameter that is not listed, keeps its portable
-default. The reasoning behind the starting values (sm90 entries since swept on hardware, below):
+A table (`kpt_triton.backend.Table`) maps a launcher name (``rms_norm_fwd``...) to the values
+of its keyword-only tuning parameters; a launcher that is absent, or a parameter that is not
+listed, keeps its portable default. The reasoning behind the starting values (sm90 entries since swept on hardware, below):
 
 * memory-bound row kernels want one whole row per program up to 16K columns (read once) and
   about 16 elements per thread, i.e. 16-byte vector loads of 16-bit data (``elems_per_warp``
@@ -17,9 +17,7 @@ default. The reasoning behind the starting values (sm90 entries since swept on h
 
 from __future__ import annotations
 
-from typing import Any
-
-Table = dict[str, dict[str, Any]]
+from kpt_triton.backend import Table
 
 _ROW_SM90 = {"tile_elems": 4096, "elems_per_warp": 512}
 _ROW_BWD_SM90 = {**_ROW_SM90, "programs_per_sm": 4}
@@ -82,8 +80,3 @@ SM80: Table = {
 
 TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E, "interpret": {}}
 """By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
-
-
-def params(arch: str, launcher: str) -> dict[str, Any]:
-    """The tuning keywords of ``launcher`` on ``arch``."""
-    return TABLES[arch].get(launcher, {})
