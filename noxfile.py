@@ -1,7 +1,7 @@
 """Sessions for kpt: unit tests, the conformance suite per backend, its report, lint and benchmarks.
 
-    nox -s conformance report     # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance # what CI runs
+    nox -s conformance report         # the main job: every backend that can run here, then the report
+    nox -s lint tests conformance aot # what CI runs
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
 Each conformance session installs kpt-core, one backend package (with the packages it builds on)
@@ -20,19 +20,27 @@ nox.options.reuse_existing_virtualenvs = False
 
 CONSTRAINTS = ("-c", "constraints/ci.txt")
 HAS_NVIDIA_GPU = shutil.which("nvidia-smi") is not None
+HAS_AMD_GPU = shutil.which("rocminfo") is not None
 
 # without a GPU the Triton kernels run on CPU tensors through Triton's interpreter (which needs numpy)
 CUDA_ENV = {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}
 CUDA_EXTRA = () if HAS_NVIDIA_GPU else ("numpy",)
+# kpt-rocm likewise, with the tuning of the arch that KPT_ROCM_ARCH names (default gfx942)
+ROCM_ENV = {} if HAS_AMD_GPU else {"TRITON_INTERPRET": "1"}
+ROCM_EXTRA = () if HAS_AMD_GPU else ("numpy",)
 
 # conformance profile -> (backend name, packages to install, other requirements, environment)
 PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
     "reference": ("reference", (), (), {}),
     "cuda": ("cuda", ("kpt-triton", "kpt-cuda"), CUDA_EXTRA, CUDA_ENV),
+    "rocm": ("rocm", ("kpt-triton", "kpt-rocm"), ROCM_EXTRA, ROCM_ENV),
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
 }
-PACKAGES = ("kpt-core", "kpt-triton", "kpt-cuda", "kpt-fpga-sim")
+# profiles that CI runs as a representative cut (bfloat16 numerics, every contract and bad-input
+# test); `nox -s "conformance(profile='rocm')" -- -k ""` runs the whole suite
+CUTS = {"rocm": ("-k", "bfloat16 or not test_numerics")}
+PACKAGES = ("kpt-core", "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-fpga-sim")
 
 
 def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), editable: bool = False) -> None:
@@ -59,7 +67,7 @@ def conformance(session: nox.Session, profile: str) -> None:
     backend, packages, extra, env = PROFILES[profile]
     _install(session, *packages, extra=extra)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "conformance", "--kpt-backend", backend,
-                "--kpt-report", f"reports/{profile}", *session.posargs, env=env)
+                "--kpt-report", f"reports/{profile}", *CUTS.get(profile, ()), *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none")
@@ -70,6 +78,23 @@ def report(session: nox.Session) -> None:
         session.error("no conformance reports under reports/: run `nox -s conformance` first")
     Path("reports/conformance.md").write_text("# kpt conformance report\n\n" + "\n".join(parts))
     session.log("wrote reports/conformance.md:\n\n" + "\n".join(parts))
+
+
+# backend -> the arch tags compiled ahead of time by the aot session
+AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"), "cuda": ("sm80", "sm90")}
+
+
+@nox.session
+def aot(session: nox.Session) -> None:
+    """Compile every kernel at the PERF.md shapes for every target, without a GPU: fails on a
+    compile error, shared memory / LDS over the limit, or a spill the tuning table does not
+    accept. ``nox -s aot -- --all-cases`` adds every conformance case's specialization."""
+    _install(session, "kpt-triton", "kpt-cuda", "kpt-rocm")
+    scope = () if "--all-cases" in session.posargs else ("--perf-shapes",)
+    for backend, archs in AOT_TARGETS.items():
+        for arch in archs:
+            session.run("python", "-m", "kpt_triton.aot", "--backend", backend, "--arch", arch, *scope,
+                        env={"TRITON_INTERPRET": "0"})
 
 
 @nox.session

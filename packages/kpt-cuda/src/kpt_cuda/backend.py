@@ -24,6 +24,7 @@ class CudaBackend(TritonBackend):
     vendor = "NVIDIA"
     priority = 100
     tables = tuning.TABLES
+    spills = tuning.SPILLS
 
     def device_status(self) -> tuple[bool, str]:
         return device.status()

@@ -2,7 +2,8 @@
 
 A table (`kpt_triton.backend.Table`) maps a launcher name (``rms_norm_fwd``...) to the values
 of its keyword-only tuning parameters; a launcher that is absent, or a parameter that is not
-listed, keeps its portable default. The reasoning behind the starting values (sm90 entries since swept on hardware, below):
+listed, keeps its portable default. The reasoning behind the starting values (sm90 entries
+since swept on hardware, below):
 
 * memory-bound row kernels want one whole row per program up to 16K columns (read once) and
   about 16 elements per thread, i.e. 16-byte vector loads of 16-bit data (``elems_per_warp``
@@ -80,3 +81,12 @@ SM80: Table = {
 
 TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E, "interpret": {}}
 """By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
+
+_KEPT = "the fastest tiles of the H100 sweep despite the spill (numbers above)"
+
+SPILLS: dict[str, dict[str, str]] = {
+    "sm90": {"_rms_norm_bwd_kernel": f"4096-wide rows in 4 warps spill about 170 bytes a thread; {_KEPT}",
+             "_cross_entropy_kernel": f"float32 logits with their gradient, 16384-wide chunks: 16 bytes; {_KEPT}",
+             "_moe_combine_bwd_kernel": "portable tiles, 8 bytes; not yet swept"},
+}
+"""Register spills accepted per arch (`python -m kpt_triton.aot`), by Triton kernel name, with the reason."""

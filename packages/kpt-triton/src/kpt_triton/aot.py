@@ -254,7 +254,8 @@ def _report(backend: TritonBackend, arch: str, results: list[Compiled | str]) ->
           f"{len({r.kernel for r in done})} Triton kernels compiled, {len(problems)} failed")
     for kernel in sorted({r.kernel for r in done}):
         rows = [r for r in done if r.kernel == kernel]
-        print(f"\n## {kernel}\n| specialization | registers | spills | shared bytes | occupancy |\n|---|---|---|---|---|")
+        print(f"\n## {kernel}\n| specialization | registers | spills | shared bytes | occupancy |")
+        print("|---|---|---|---|---|")
         for r in rows:
             print(f"| {r.specialization} | {r.registers} | {r.spills} | {r.shared} | {r.occupancy} |")
             if r.shared > target.shared_limit:
