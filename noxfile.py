@@ -1,9 +1,9 @@
 """Sessions for kpt: unit tests, the conformance suite per backend, its report, lint and benchmarks.
 
-    nox                                  # every session this machine can run
-    nox -s conformance report            # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example  # what CI runs
-    nox -s vendor -- ../kpt-acme         # a backend package from outside: its path or requirement
+    nox                                     # every session this machine can run
+    nox -s conformance report               # the main job: every backend that can run here, then the report
+    nox -s lint tests conformance example aot  # what CI runs
+    nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
 Each conformance session installs kpt-core, the suite (kpt-conformance), one backend package (with
@@ -22,23 +22,32 @@ nox.options.reuse_existing_virtualenvs = False
 
 CONSTRAINTS = ("-c", "constraints/ci.txt")
 HAS_NVIDIA_GPU = shutil.which("nvidia-smi") is not None
+HAS_AMD_GPU = shutil.which("rocminfo") is not None
 
 # without a GPU the Triton kernels run on CPU tensors through Triton's interpreter (which needs numpy)
 CUDA_ENV = {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}
 CUDA_EXTRA = () if HAS_NVIDIA_GPU else ("numpy",)
+# kpt-rocm likewise, with the tuning of the arch that KPT_ROCM_ARCH names (default gfx942)
+ROCM_ENV = {} if HAS_AMD_GPU else {"TRITON_INTERPRET": "1"}
+ROCM_EXTRA = () if HAS_AMD_GPU else ("numpy",)
 
 # conformance profile -> (backend name, packages to install, other requirements, environment); a
 # profile is named as its backend names its configuration (`kpt.Backend.conformance_profile`): the
 # report goes to reports/<profile>/ and the expected failures are conformance/xfails/<profile>.txt
 CUDA_PROFILE = "cuda" if HAS_NVIDIA_GPU else "cuda-interpret"
+ROCM_PROFILE = "rocm" if HAS_AMD_GPU else "rocm-interpret"
 PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
     "reference": ("reference", (), (), {}),
     CUDA_PROFILE: ("cuda", ("kpt-triton", "kpt-cuda"), CUDA_EXTRA, CUDA_ENV),
+    ROCM_PROFILE: ("rocm", ("kpt-triton", "kpt-rocm"), ROCM_EXTRA, ROCM_ENV),
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
 }
+# profiles that CI runs as a representative cut (bfloat16 numerics, every contract and bad-input
+# test); `nox -s "conformance(profile='rocm-interpret')" -- -k ""` runs the whole suite
+CUTS = {"rocm-interpret": ("-k", "bfloat16 or not test_numerics")}
 BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
-PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-fpga-sim")
+PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-fpga-sim")
 EXAMPLE = "examples/kpt-example"
 
 
@@ -68,7 +77,7 @@ def conformance(session: nox.Session, profile: str) -> None:
     backend, packages, extra, env = PROFILES[profile]
     _install(session, *packages, extra=extra)
     session.run("kpt", "check", "--backend", backend, "--report", f"reports/{profile}",
-                "--xfails", "conformance/xfails", "--", *session.posargs, env=env)
+                "--xfails", "conformance/xfails", "--", *CUTS.get(profile, ()), *session.posargs, env=env)
 
 
 @nox.session
@@ -102,6 +111,23 @@ def report(session: nox.Session) -> None:
         session.error("no conformance reports under reports/: run `nox -s conformance` first")
     Path("reports/conformance.md").write_text("# kpt conformance report\n\n" + "\n".join(parts))
     session.log("wrote reports/conformance.md:\n\n" + "\n".join(parts))
+
+
+# backend -> the arch tags compiled ahead of time by the aot session
+AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"), "cuda": ("sm80", "sm90")}
+
+
+@nox.session
+def aot(session: nox.Session) -> None:
+    """Compile every kernel at the PERF.md shapes for every target, without a GPU: fails on a
+    compile error, shared memory / LDS over the limit, or a spill the tuning table does not
+    accept. ``nox -s aot -- --all-cases`` adds every conformance case's specialization."""
+    _install(session, "kpt-triton", "kpt-cuda", "kpt-rocm")
+    scope = () if "--all-cases" in session.posargs else ("--perf-shapes",)
+    for backend, archs in AOT_TARGETS.items():
+        for arch in archs:
+            session.run("python", "-m", "kpt_triton.aot", "--backend", backend, "--arch", arch, *scope,
+                        env={"TRITON_INTERPRET": "0"})
 
 
 @nox.session

@@ -8,7 +8,8 @@ import torch
 
 import kpt
 import kpt_cuda
-from kpt_cuda import backend, device, plugin, tuning
+from kpt_cuda import device, plugin, tuning
+from kpt_triton import backend as base
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_interpreter_mode(interpreted):
     assert be.device() == torch.device("cpu")
     assert be.conformance_profile == "cuda-interpret"
     assert "interpreter" in be.environment()["device"]
-    assert device.arch() == "interpret"
+    assert be.arch() == "interpret" and be.params("rms_norm_fwd") == {}
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -60,9 +61,10 @@ def test_unavailable_reasons(monkeypatch, case, reason):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: case == "old_gpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
-    available, why = kpt_cuda.CudaBackend().is_available()
+    be = kpt_cuda.CudaBackend()
+    available, why = be.is_available()
     assert not available and reason in why
-    assert device.arch() == "interpret"
+    assert why in be.environment()["device"]
 
 
 @pytest.mark.parametrize("cc, gib, arch", [((8, 0), 80, "sm80"), ((8, 9), 24, "sm80"), ((9, 0), 80, "sm90"),
@@ -92,16 +94,20 @@ def test_tuning_tables_name_real_parameters():
 
 
 def test_tuning_is_bound_at_the_first_call(monkeypatch):
-    seen = {}
+    seen = []
 
     def body_fwd(x, *, block=1):
-        seen["block"] = block
+        seen.append(block)
         return (x,)
 
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(device, "arch", lambda: "sm90")
     monkeypatch.setitem(tuning.TABLES, "sm90", {"body_fwd": {"block": 7}})
-    backend._Tuned(body_fwd)(torch.zeros(1))
-    assert seen == {"block": 7}
+    tuned = base.Tuned(body_fwd, kpt_cuda.CudaBackend().params)
+    tuned(torch.zeros(1))
+    monkeypatch.setattr(device, "arch", lambda: "sm80")  # looked up once, at the first call
+    tuned(torch.zeros(1))
+    assert seen == [7, 7]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors in the interpreter: on a GPU machine the "
@@ -118,7 +124,7 @@ def test_calls_run_through_autograd(interpreted):
 
 
 def test_interpreter_mode_is_never_selected_automatically() -> None:
-    if not device.interpreted():
+    if not base.interpreted():
         pytest.skip("runs under TRITON_INTERPRET=1 (CI), where the backend simulates itself on the CPU")
     assert kpt.reload_backends().get().name == "reference"
     assert kpt.get_backend("cuda").device().type == "cpu"

@@ -1,14 +1,13 @@
 """Which NVIDIA GPU is here, if any, and whether the CUDA backend can drive it.
 
 Every function reads the machine when called (nothing at import), so that importing the
-plugin never initializes CUDA. ``TRITON_INTERPRET=1`` stands for a device: the Triton
-interpreter runs the kernels on CPU tensors.
+plugin never initializes CUDA. The Triton interpreter (``TRITON_INTERPRET=1``) is the base's
+business (`kpt_triton.backend`): these functions describe real hardware only.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -16,15 +15,8 @@ MIN_CAPABILITY = (8, 0)
 """The oldest architecture with tuning here (Ampere, sm80)."""
 
 
-def interpreted() -> bool:
-    """True when ``TRITON_INTERPRET=1``: kernels run in the Triton interpreter on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def status() -> tuple[bool, str]:
-    """``(True, "")`` when this backend can run here, else ``(False, why not)``."""
-    if interpreted():
-        return True, ""
+    """``(True, "")`` when a CUDA GPU can run the kernels here, else ``(False, why not)``."""
     if torch.version.hip is not None:
         return False, f"ROCm build of torch (HIP {torch.version.hip}): this backend drives CUDA devices"
     if torch.version.cuda is None:
@@ -49,11 +41,9 @@ than the H100's HBM3 with the same multiprocessors: some memory-bound kernels wa
 
 
 def arch() -> str:
-    """The tuning table to use: "sm90" (Hopper and newer, tuned on an H100), "sm90-hbm3e" (Hopper
-    with HBM3e memory, tuned on an H200), "sm80" (Ampere, Ada), or "interpret" (no table: the
-    launchers' portable defaults)."""
-    if interpreted() or not status()[0]:
-        return "interpret"
+    """The tuning table of the GPU here (`status` says it can run): "sm90" (Hopper and newer,
+    tuned on an H100), "sm90-hbm3e" (Hopper with HBM3e memory, tuned on an H200) or "sm80"
+    (Ampere, Ada)."""
     if capability() < (9, 0):
         return "sm80"
     memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -79,12 +69,7 @@ def cupy_version() -> str | None:
 
 
 def facts() -> dict[str, str]:
-    """What benchmark and conformance reports record about the device."""
-    if interpreted():
-        return {"device": "Triton interpreter on CPU tensors (TRITON_INTERPRET=1)"}
-    available, why = status()
-    if not available:
-        return {"device": f"none ({why})"}
+    """What benchmark and conformance reports record about the GPU (`status` says it can run)."""
     major, minor = capability()
     return {
         "device": torch.cuda.get_device_name(),

@@ -1,8 +1,9 @@
 """Tuning tables per NVIDIA architecture: keyword arguments bound into the kpt_triton launchers.
 
-A table maps a launcher name (``rms_norm_fwd``...) to the values of its keyword-only tuning
-parameters; a launcher that is absent, or a parameter that is not listed, keeps its portable
-default. The reasoning behind the starting values (sm90 entries since swept on hardware, below):
+A table (`kpt_triton.backend.Table`) maps a launcher name (``rms_norm_fwd``...) to the values
+of its keyword-only tuning parameters; a launcher that is absent, or a parameter that is not
+listed, keeps its portable default. The reasoning behind the starting values (sm90 entries
+since swept on hardware, below):
 
 * memory-bound row kernels want one whole row per program up to 16K columns (read once) and
   about 16 elements per thread, i.e. 16-byte vector loads of 16-bit data (``elems_per_warp``
@@ -17,9 +18,7 @@ default. The reasoning behind the starting values (sm90 entries since swept on h
 
 from __future__ import annotations
 
-from typing import Any
-
-Table = dict[str, dict[str, Any]]
+from kpt_triton.backend import Table
 
 _ROW_SM90 = {"tile_elems": 4096, "elems_per_warp": 512}
 _ROW_BWD_SM90 = {**_ROW_SM90, "programs_per_sm": 4}
@@ -83,7 +82,11 @@ SM80: Table = {
 TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E, "interpret": {}}
 """By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
 
+_KEPT = "the fastest tiles of the H100 sweep despite the spill (numbers above)"
 
-def params(arch: str, launcher: str) -> dict[str, Any]:
-    """The tuning keywords of ``launcher`` on ``arch``."""
-    return TABLES[arch].get(launcher, {})
+SPILLS: dict[str, dict[str, str]] = {
+    "sm90": {"_rms_norm_bwd_kernel": f"4096-wide rows in 4 warps spill about 170 bytes a thread; {_KEPT}",
+             "_cross_entropy_kernel": f"float32 logits with their gradient, 16384-wide chunks: 16 bytes; {_KEPT}",
+             "_moe_combine_bwd_kernel": "portable tiles, 8 bytes; not yet swept"},
+}
+"""Register spills accepted per arch (`python -m kpt_triton.aot`), by Triton kernel name, with the reason."""

@@ -332,12 +332,15 @@ def _attn_bwd_dq_kernel(
 
 
 class Tiles(NamedTuple):
-    """How one attention launch cuts its work: ``block_m`` queries and ``block_n`` keys per tile."""
+    """How one attention launch cuts its work: ``block_m`` queries and ``block_n`` keys per tile;
+    ``options``: compiler options of one vendor's Triton backend (AMD: ``waves_per_eu``,
+    ``matrix_instr_nonkdim``)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    options: Mapping[str, int] = {}
 
 
 TilesByHeadDim = Mapping[int, Tiles]
@@ -391,7 +394,7 @@ def attention_fwd(
         Hq, Hq // Hkv, Sq, Skv, scale * _LOG2E,
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d,
         DOT_FP32=DOT_FP32, PRECISION=dot_precision(q.dtype, fp32_precision),
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, **t.options,
     )
     return o, lse
 
@@ -417,12 +420,12 @@ def attention_bwd(
     block_d, t = _tiles(D, q.dtype, tiles, backward=True)
     common = {"CAUSAL": causal, "HEAD_DIM": D, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_D": block_d,
               "DOT_FP32": DOT_FP32, "PRECISION": dot_precision(q.dtype, fp32_precision),
-              "num_warps": t.num_warps, "num_stages": t.num_stages}
+              "num_warps": t.num_warps, "num_stages": t.num_stages, **t.options}
     delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if dq.numel() > 0:
         _attn_bwd_delta_kernel[(cdiv(Sq, t.block_m), B * Hq)](
             o, do, delta, *do.stride(), Hq, Sq,
-            HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_D=block_d, num_warps=t.num_warps,
+            HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_D=block_d, num_warps=t.num_warps, **t.options,
         )
         _attn_bwd_dq_kernel[(cdiv(Sq, t.block_m), B * Hq)](
             q, k, v, do, lse, delta, dq,

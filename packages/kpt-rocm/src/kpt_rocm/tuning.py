@@ -1,0 +1,89 @@
+"""Tuning tables per AMD architecture: keyword arguments bound into the kpt_triton launchers.
+
+A table (`kpt_triton.backend.Table`) lists only what differs from the launchers' portable
+defaults, which were chosen for 32-lane NVIDIA warps. What differs on AMD:
+
+* CDNA (Instinct: gfx90a, gfx942, gfx950) runs 64-lane wavefronts, RDNA (Radeon: gfx1100,
+  gfx1201) 32-lane ones. The row and element-wise kernels size ``num_warps`` from
+  ``elems_per_warp``: 16 elements per lane (two 16-byte loads of 16-bit data) is
+  ``16 * lanes`` per wave, so CDNA doubles the portable 512 and RDNA keeps it;
+* whole rows up to 4096 columns per program (``tile_elems``), as on NVIDIA, and persistent
+  backward grids of 2 programs per compute unit (a CDNA CU holds 4 SIMDs of 512 VGPRs a lane:
+  two 4096-wide tiles of 4 waves fill it);
+* attention: the CDNA flash tiles of AMD's own Triton kernels (128 queries × 64 keys, 4 waves,
+  ``waves_per_eu`` 2, 16-wide MFMA instructions, one pipeline stage: the K and V tiles
+  double-buffered would overflow the 64 KiB LDS at head dim 128); gfx950 has 160 KiB of LDS;
+* float8: the contract's formats are the OCP ones (``float8_e4m3fn``, ``float8_e5m2``). gfx950
+  and gfx1201 compute in them; gfx942 (MI300) computes in the FNUZ formats and gfx90a and
+  gfx1100 have no float8 at all. The quantize and dequantize kernels encode and decode the OCP
+  bits with integer arithmetic on every architecture (``native_cast`` stays off: exact, and the
+  same bits as torch), so every arch gives the contract's answer. ``fp8_linear`` runs
+  ``torch._scaled_mm`` (hipBLASLt) on gfx950 only; elsewhere it dequantizes both operands to
+  float32 and multiplies them in one float32 GEMM.
+
+None of these values has been timed on AMD hardware yet: they are the starting points, compiled
+for every arch by ``python -m kpt_triton.aot --backend rocm --arch <arch>`` (registers, spills,
+LDS within the limits).
+"""
+
+from __future__ import annotations
+
+from kpt_triton.attention import Tiles
+from kpt_triton.backend import Table
+
+ROW_LAUNCHERS = ("rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd",
+                 "layer_norm_bwd", "softmax_fwd", "softmax_bwd", "rope_fwd", "rope_bwd", "quantize_fp8_fwd")
+PERSISTENT_LAUNCHERS = ("rms_norm_bwd", "add_rms_norm_bwd", "layer_norm_bwd", "quantize_fp8_fwd")
+POINTWISE_LAUNCHERS = ("gelu_fwd", "gelu_bwd", "silu_fwd", "silu_bwd", "swiglu_fwd", "swiglu_bwd", "geglu_fwd",
+                       "geglu_bwd", "dequantize_fp8_fwd", "fp8_linear_fwd")
+VOCAB_LAUNCHERS = ("cross_entropy_fwd", "linear_cross_entropy_fwd", "linear_cross_entropy_bwd")
+
+
+def _lanes(lanes: int) -> Table:
+    """The entries that follow from the wavefront width: 16 elements per lane everywhere."""
+    per_wave = {"elems_per_warp": 16 * lanes}
+    table = {name: {"tile_elems": 4096, **per_wave} for name in ROW_LAUNCHERS}
+    for name in PERSISTENT_LAUNCHERS:
+        table[name] = {**table[name], "programs_per_sm": 2}
+    table["quantize_fp8_fwd"]["block"] = 8192
+    table.update({name: {"block": 8192, **per_wave} for name in POINTWISE_LAUNCHERS})
+    table.update({name: {"block_v": 8192, **per_wave} for name in VOCAB_LAUNCHERS})
+    return table
+
+
+_CDNA_FLASH = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16}
+"""AMD-only compiler options of the attention launches (`Tiles.options`)."""
+
+_CDNA_ATTENTION = {
+    "fwd": {16: Tiles(128, 64, 4, 1, _CDNA_FLASH), 32: Tiles(128, 64, 4, 1, _CDNA_FLASH),
+            64: Tiles(128, 64, 4, 1, _CDNA_FLASH), 128: Tiles(128, 64, 4, 1, _CDNA_FLASH),
+            256: Tiles(64, 32, 4, 1, _CDNA_FLASH)},
+    "bwd": {16: Tiles(64, 64, 4, 1, _CDNA_FLASH), 32: Tiles(64, 64, 4, 1, _CDNA_FLASH),
+            64: Tiles(32, 64, 4, 1, _CDNA_FLASH), 128: Tiles(32, 32, 4, 1, _CDNA_FLASH),
+            256: Tiles(16, 32, 4, 1, _CDNA_FLASH)},
+}
+
+CDNA: Table = {
+    **_lanes(64),
+    "attention_fwd": {"tiles": _CDNA_ATTENTION["fwd"]},
+    "attention_bwd": {"tiles": _CDNA_ATTENTION["bwd"]},
+}
+"""Instinct MI210/MI250X (gfx90a) and MI300X/MI325X (gfx942): no OCP float8 in hardware."""
+
+GFX950: Table = {**CDNA, "fp8_linear_fwd": {**CDNA["fp8_linear_fwd"], "scaled_mm": True}}
+"""Instinct MI355X: CDNA with OCP float8 matrix cores (and 160 KiB of LDS)."""
+
+RDNA: Table = {**_lanes(32)}
+"""Radeon RX 7900 (gfx1100) and RX 9070 (gfx1201): 32-lane waves, the portable attention tiles."""
+
+TABLES: dict[str, Table] = {"gfx942": CDNA, "gfx950": GFX950, "gfx90a": CDNA, "gfx1100": RDNA, "gfx1201": RDNA}
+"""By `kpt_rocm.device.gcn_arch` (and ``$KPT_ROCM_ARCH`` under the interpreter)."""
+
+_UNTUNED = "spills at the PERF.md shape found by the AOT check; to be tuned on hardware (not yet run on AMD)"
+
+SPILLS: dict[str, dict[str, str]] = {
+    "gfx942": {"_attn_fwd_kernel": f"causal, head dim 128, 128x64 tiles: 5 spills; {_UNTUNED}",
+               "_moe_scatter_kernel": f"59 spills; {_UNTUNED}"},
+    "gfx950": {"_moe_scatter_kernel": f"59 spills; {_UNTUNED}"},
+}
+"""Register spills accepted per arch, by Triton kernel name, with the reason."""

@@ -1,0 +1,159 @@
+"""`TritonBackend`: the base of every vendor backend built on these kernels (kpt-cuda, kpt-rocm).
+
+A vendor package fills in only what differs per vendor::
+
+    class RocmBackend(TritonBackend):
+        name, vendor, priority = "rocm", "AMD", 100
+        tables = tuning.TABLES                   # arch tag -> launcher -> tuning keywords
+        def device_status(self): ...             # (True, "") or (False, "no AMD GPU visible")
+        def detect_arch(self): ...               # the arch tag of the GPU here ("gfx942")
+
+and inherits the rest: the kernel list (derived from ``kpt.SPECS``: each kernel's body is
+``kpt_triton.<family>.<kernel>_fwd``/``_bwd``, the family being the module of its spec), the
+tuning lookup, the interpreter switch (``TRITON_INTERPRET=1`` runs every kernel on CPU tensors
+with the tuning of `interpreter_arch`), the speed bars and the report facts.
+
+A tuning table maps a launcher name (``rms_norm_fwd``) to values of its keyword-only tuning
+parameters; a launcher or parameter a table leaves out keeps the launcher's portable default,
+so a table holds only what its architecture changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+import triton
+
+import kpt
+
+Table = Mapping[str, Mapping[str, Any]]
+"""Tuning keywords per launcher name, for one architecture."""
+
+MEMORY_BOUND = ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "gelu", "silu", "swiglu", "geglu", "rope",
+                "cross_entropy", "quantize_fp8", "dequantize_fp8")
+"""Kernels that move their bytes once: the forward promises a fraction of the copy bandwidth."""
+
+SAME_WORK_AS_EAGER = ("linear", "fp8_linear")
+"""Kernels whose eager version calls the same vendor GEMM: they promise the matmul rate."""
+
+
+def interpreted() -> bool:
+    """True when ``TRITON_INTERPRET=1``: kernels run in the Triton interpreter on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def portable_modules() -> dict[str, types.ModuleType]:
+    """The kpt_triton module of each contract kernel: the one named like its spec's family."""
+    return {name: importlib.import_module(f"kpt_triton.{spec.forward.__module__.rsplit('.', 1)[-1]}")
+            for name, spec in kpt.SPECS.items()}
+
+
+class Tuned:
+    """A kernel body called with the tuning keywords of an architecture, looked up at its first
+    call (importing and binding a backend never touches the device)."""
+
+    def __init__(self, body: Callable[..., Any], params: Callable[[str], Mapping[str, Any]]) -> None:
+        self.body = body
+        self._lookup = params
+        functools.update_wrapper(self, body)
+
+    @functools.cached_property
+    def params(self) -> Mapping[str, Any]:
+        return self._lookup(self.body.__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.body(*args, **self.params)
+
+
+class TritonBackend(kpt.Backend):
+    """The kpt-triton kernels on one vendor's GPUs; see the module docstring for what a vendor
+    fills in. ``arch`` pins the tuning table instead of detecting it (the AOT compile check)."""
+
+    device_type = "cuda"  # torch names ROCm devices "cuda" too
+    tables: ClassVar[Mapping[str, Table]]
+    """Tuning tables by arch tag."""
+    spills: ClassVar[Mapping[str, Mapping[str, str]]] = {}
+    """Register spills accepted per arch tag: Triton kernel name -> the reason (`kpt_triton.aot`)."""
+
+    def __init__(self, arch: str | None = None) -> None:
+        self._arch = arch
+
+    def device_status(self) -> tuple[bool, str]:
+        """Whether a GPU of this vendor can run the kernels here, else why not (no interpreter)."""
+        raise NotImplementedError
+
+    def detect_arch(self) -> str:
+        """The arch tag (a key of `tables`) of the GPU here; called only when it is available."""
+        raise NotImplementedError
+
+    def interpreter_arch(self) -> str:
+        """The arch tag whose tuning the interpreter runs with."""
+        raise NotImplementedError
+
+    def native_modules(self) -> tuple[types.ModuleType, ...]:
+        """Vendor-native bodies that replace the portable ones of the same kernels on a device."""
+        return ()
+
+    def arch(self) -> str:
+        """The arch tag whose tuning table the kernels use."""
+        if self._arch is not None:
+            return self._arch
+        return self.interpreter_arch() if interpreted() else self.detect_arch()
+
+    def params(self, launcher: str) -> Mapping[str, Any]:
+        """The tuning keywords of ``launcher`` on this backend's arch."""
+        return self.tables[self.arch()].get(launcher, {})
+
+    def is_available(self) -> tuple[bool, str]:
+        return (True, "") if interpreted() else self.device_status()
+
+    def kernels(self) -> dict[str, kpt.Kernel]:
+        native = () if interpreted() else self.native_modules()
+        modules = dict.fromkeys(portable_modules().values())
+        return {
+            name: kpt.Kernel(Tuned(k.forward, self.params),
+                             Tuned(k.backward, self.params) if k.backward is not None else None)
+            for name, k in kpt.kernels_from(*modules, *native).items()
+        }
+
+    def perf_bar(self, kernel: str, mode: str) -> kpt.PerfBar:
+        """The conformance suite's speed bar (PERF.md shapes, bf16): memory-bound kernels at least
+        2x torch eager and, forward, 60% of the copy bandwidth; GEMM-backed products 80% of the
+        bf16 matmul rate; every other kernel at least as fast as torch eager. The PERF.md targets
+        themselves are tracked by the benchmark (`python -m kpt.benchmark`), not by these bars."""
+        if kernel in SAME_WORK_AS_EAGER:
+            return kpt.PerfBar(min_ceiling_fraction=0.8)
+        if kernel in MEMORY_BOUND:
+            return kpt.PerfBar(min_speedup=2.0, min_ceiling_fraction=0.6 if mode == "fwd" else None)
+        return kpt.PerfBar(min_speedup=1.0)
+
+    @property
+    def simulator(self) -> bool:  # type: ignore[override]
+        """Under Triton's interpreter the backend is a CPU simulation of itself: usable when
+        named, never selected automatically."""
+        return interpreted()
+
+    def device(self) -> torch.device:
+        return torch.device("cpu") if interpreted() else torch.device("cuda")
+
+    @property
+    def conformance_profile(self) -> str:
+        return f"{self.name}-interpret" if interpreted() else self.name
+
+    def device_facts(self) -> dict[str, str]:
+        """What reports record about the GPU (called only when it is available)."""
+        return {"device": torch.cuda.get_device_name(), "arch": self.arch()}
+
+    def environment(self) -> dict[str, str]:
+        versions = {"torch": torch.__version__, "triton": triton.__version__}
+        if interpreted():
+            return {**versions, "device": "Triton interpreter on CPU tensors (TRITON_INTERPRET=1)",
+                    "arch": self.arch()}
+        available, why = self.device_status()
+        return {**versions, **(self.device_facts() if available else {"device": f"none ({why})"})}
