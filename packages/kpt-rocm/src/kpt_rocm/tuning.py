@@ -56,15 +56,20 @@ _CDNA_FLASH = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16}
 
 _CDNA_ATTENTION = {
     "fwd": {16: Tiles(128, 64, 4, 1, _CDNA_FLASH), 32: Tiles(128, 64, 4, 1, _CDNA_FLASH),
-            64: Tiles(128, 64, 4, 1, _CDNA_FLASH), 128: Tiles(128, 64, 4, 1, _CDNA_FLASH),
+            64: Tiles(128, 64, 4, 1, _CDNA_FLASH), 128: Tiles(128, 64, 8, 1, _CDNA_FLASH),
             256: Tiles(64, 32, 4, 1, _CDNA_FLASH)},
     "bwd": {16: Tiles(64, 64, 4, 1, _CDNA_FLASH), 32: Tiles(64, 64, 4, 1, _CDNA_FLASH),
             64: Tiles(32, 64, 4, 1, _CDNA_FLASH), 128: Tiles(32, 32, 4, 1, _CDNA_FLASH),
             256: Tiles(16, 32, 4, 1, _CDNA_FLASH)},
 }
 
+_DISPATCH = {"moe_dispatch_fwd": {"block_pairs": 64, "block_e": 32, "block_h": 128}}
+"""The dispatch's [pairs x experts] and [pairs x pairs] compares at the portable 128 x 128 spill on
+every AMD target (52-88 spills in the AOT check); 64 pairs and 32 experts a step do not."""
+
 CDNA: Table = {
     **_lanes(64),
+    **_DISPATCH,
     "attention_fwd": {"tiles": _CDNA_ATTENTION["fwd"]},
     "attention_bwd": {"tiles": _CDNA_ATTENTION["bwd"]},
 }
@@ -73,17 +78,32 @@ CDNA: Table = {
 GFX950: Table = {**CDNA, "fp8_linear_fwd": {**CDNA["fp8_linear_fwd"], "scaled_mm": True}}
 """Instinct MI355X: CDNA with OCP float8 matrix cores (and 160 KiB of LDS)."""
 
-RDNA: Table = {**_lanes(32)}
-"""Radeon RX 7900 (gfx1100) and RX 9070 (gfx1201): 32-lane waves, the portable attention tiles."""
+_RDNA_ATTENTION = {
+    "fwd": {16: Tiles(64, 64, 4, 1), 32: Tiles(64, 64, 4, 1), 64: Tiles(64, 64, 4, 1), 128: Tiles(64, 32, 4, 1),
+            256: Tiles(32, 32, 4, 1)},
+    "bwd": {16: Tiles(32, 32, 4, 1), 32: Tiles(32, 32, 4, 1), 64: Tiles(32, 32, 4, 1), 128: Tiles(16, 16, 4, 1),
+            256: Tiles(16, 16, 4, 1)},
+}
+"""RDNA has no asynchronous copies to pipeline (one stage) and, at head dim 128, half the
+portable key tile: the portable tiles spilled 11-477 registers in the AOT check."""
+
+RDNA: Table = {
+    **_lanes(32),
+    **_DISPATCH,
+    "attention_fwd": {"tiles": _RDNA_ATTENTION["fwd"]},
+    "attention_bwd": {"tiles": _RDNA_ATTENTION["bwd"]},
+}
+"""Radeon RX 7900 (gfx1100) and RX 9070 (gfx1201): 32-lane waves."""
 
 TABLES: dict[str, Table] = {"gfx942": CDNA, "gfx950": GFX950, "gfx90a": CDNA, "gfx1100": RDNA, "gfx1201": RDNA}
 """By `kpt_rocm.device.gcn_arch` (and ``$KPT_ROCM_ARCH`` under the interpreter)."""
 
-_UNTUNED = "spills at the PERF.md shape found by the AOT check; to be tuned on hardware (not yet run on AMD)"
+_RDNA3_BWD = ("head dim 128 on RDNA3 spills at every tile tried in the AOT check (16x16 and 16x32 keys, 4 and "
+              "8 waves: {} to {} spills); 16x16 in 4 waves spills least; correct, its speed not yet measured on "
+              "hardware")
 
 SPILLS: dict[str, dict[str, str]] = {
-    "gfx942": {"_attn_fwd_kernel": f"causal, head dim 128, 128x64 tiles: 5 spills; {_UNTUNED}",
-               "_moe_scatter_kernel": f"59 spills; {_UNTUNED}"},
-    "gfx950": {"_moe_scatter_kernel": f"59 spills; {_UNTUNED}"},
+    "gfx1100": {"_attn_bwd_dkdv_kernel": _RDNA3_BWD.format(123, 172),
+                "_attn_bwd_dq_kernel": _RDNA3_BWD.format(47, 257)},
 }
 """Register spills accepted per arch, by Triton kernel name, with the reason."""
