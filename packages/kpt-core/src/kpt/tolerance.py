@@ -34,6 +34,11 @@ class Tolerance:
     reason: str = ""
     abs_floor: float = 0.0
 
+    def scaled(self, factor: float, why: str) -> Tolerance:
+        """Every bound (the floor included) ``factor`` times wider, ``why`` added to the reason."""
+        return Tolerance(self.rel_norm * factor, self.atol * factor, self.rtol * factor, f"{self.reason}; {why}",
+                         self.abs_floor * factor)
+
 
 DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(1e-12, 1e-12, 1e-10, "float64 is the oracle's own precision"),
