@@ -1,11 +1,13 @@
-"""The comparison rule of `kpt.tolerance`: the absolute floor ``abs_floor``."""
+"""The comparison rule of `kpt.tolerance`: the absolute floor ``abs_floor``, the floor of a
+(nearly) all-zero gradient and the rule of ill-conditioned cases."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kpt
-from kpt.testing import check_backward, compare, tolerance_for
+from kpt.testing import check_backward, compare, eager_widened, gradient_floor, tolerance_for
 
 TOL = kpt.Tolerance(rel_norm=1e-3, atol=1e-3, rtol=1e-3)
 
@@ -52,3 +54,71 @@ def test_a_gradients_call_tolerance_sees_the_upstream_gradients() -> None:
     report = check_backward(Recording(), kpt.SPECS["add_rms_norm"], args, torch.float32, torch.Generator())
     assert report.ok, report.message
     assert seen["dx"] == ["dh", "dy", "eps", "residual", "weight", "x"]
+
+
+def _single_key_args(generator: torch.Generator) -> dict:
+    # one key: every probability is exactly 1, so dq and dk are exactly 0 in the oracle
+    def draw(heads: int) -> torch.Tensor:
+        return torch.randn(2, heads, 1, 64, generator=generator)
+    return {"q": draw(4), "k": draw(2), "v": draw(2), "causal": True, "scale": None}
+
+
+class _Perturbed(type(kpt.get_backend("reference"))):
+    """The reference with ``offset`` times a fixed pattern added to dq (an error of that size)."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        self.offset = offset
+
+    def call(self, kernel, **args):
+        q = args["q"]
+        nudge = torch.linspace(-1, 1, q.numel(), dtype=q.dtype).reshape(q.shape) * self.offset
+        hook = (lambda g: g + nudge) if q.requires_grad else None
+        out = super().call(kernel, **args)
+        if hook is not None:
+            q.register_hook(hook)
+        return out
+
+
+def test_a_zero_gradient_is_held_to_the_scale_of_the_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    args = _single_key_args(g)
+    spec = kpt.SPECS["attention"]
+    # float32 rounding of the cancelling terms (dp − Σ p·dp is 1e-7 of dp) passes ...
+    rounded = check_backward(_Perturbed(1e-7), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert rounded.ok, rounded.message
+    # ... where a bound relative to max|dq| = 0 failed it; a wrong dq of a few percent still fails
+    wrong = check_backward(_Perturbed(3e-2), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert not wrong.ok and "dq" in wrong.message
+    # the bound relative to max|ref| alone: any rounding of an all-zero oracle fails
+    assert not compare("dq", torch.full((4,), 1e-7), torch.zeros(4, dtype=torch.float64), TOL).ok
+
+
+def test_the_floor_leaves_a_small_resolvable_gradient_to_its_own_scale() -> None:
+    ref = torch.tensor([1e-3, -2e-3], dtype=torch.float64)
+    x = torch.ones(2, dtype=torch.float64)
+    # max|ref| is far above float32's rounding of the response's scale: no floor
+    assert gradient_floor(TOL, 1.0, x, ref, torch.float32) == TOL
+    floored = gradient_floor(TOL, 1.0, x, torch.zeros(2, dtype=torch.float64), torch.float32)
+    assert floored.abs_floor == TOL.atol * 0.5
+
+
+def test_an_ill_conditioned_case_is_judged_against_eager_in_its_dtype() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 256, generator=g, dtype=torch.float64) * 1e3).to(torch.float32)
+    dy = torch.randn(8, 256, generator=g, dtype=torch.float64)
+    xo = x.double().requires_grad_(True)
+    ref, = torch.autograd.grad(kpt.get_backend("reference").softmax(xo, -1), xo, dy)
+    xe = x.clone().requires_grad_(True)
+    eager, = torch.autograd.grad(kpt.get_backend("reference").softmax(xe, -1), xe, dy.float())
+    tol = kpt.tolerance.default_tolerance(torch.float32)
+    eager_worst = compare("dx", eager, ref, tol).worst
+    widened = eager_widened(tol, "dx", eager, ref, 4.0)
+    assert widened.atol == pytest.approx(tol.atol * max(1.0, 4 * eager_worst))
+    # eager itself and a result twice as far off pass; the gradient without its Σ dy·y term fails
+    assert compare("dx", eager, ref, widened).ok
+    assert compare("dx", (ref + 2 * (eager.double() - ref)).float(), ref, widened).ok
+    yo = kpt.get_backend("reference").softmax(x.double(), -1)
+    assert not compare("dx", (yo * dy).float(), ref, widened).ok
+    # a factor of 0 (a well-conditioned case) widens nothing
+    assert eager_widened(tol, "dx", eager, ref, 0.0) == tol

@@ -60,6 +60,10 @@ class Case:
     tolerance_scale: float = 1.0
     """Widens every tolerance for an ill-conditioned case, where the float32 reference itself
     errs by more than the table allows (its spec says why)."""
+    eager_factor: float = 0.0
+    """Marks an ill-conditioned case, where float32 arithmetic itself (PyTorch eager included)
+    errs beyond the table: a result then also passes within this many times the error of the
+    reference math run in the dtype under test, against float64 (`kpt.testing.eager_widened`)."""
     description: str = ""
     """What the case probes, for a reader of a failure ("inputs scaled by 1e-4"); the name alone
     when empty."""

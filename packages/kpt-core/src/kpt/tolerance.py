@@ -14,6 +14,13 @@ result: a fixed-point backend states it from its format's step and the magnitude
 inputs, so that an output that happens to be small (a lone value, a gradient times a small
 upstream gradient) is not held to a bound finer than the format's step.
 
+Two rules of `kpt.testing` adjust a tolerance per call. A gradient whose oracle is (nearly) all
+zeros (below float32's rounding of its natural scale S, e.g. dq of causal attention with one key)
+gets the floor ``atol · S``, S taken from the inputs' magnitudes and the loss response
+(`kpt.testing.gradient_floor`). An ill-conditioned case (``Case.eager_factor = k``) passes within
+``max(table, k × the error of the reference math run in the dtype under test)``, both measured as
+the worst error over tolerance (`kpt.testing.eager_widened`).
+
 Differences up to the output dtype's spacing near zero (``finfo.tiny * finfo.eps``: float16's
 subnormal step, 6e-8) are not counted: no result stored in that dtype can be closer. Integer
 outputs (indices, offsets) must match exactly.
@@ -33,6 +40,11 @@ class Tolerance:
     rtol: float
     reason: str = ""
     abs_floor: float = 0.0
+
+    def scaled(self, factor: float, why: str) -> Tolerance:
+        """Every bound (the floor included) ``factor`` times wider, ``why`` added to the reason."""
+        return Tolerance(self.rel_norm * factor, self.atol * factor, self.rtol * factor, f"{self.reason}; {why}",
+                         self.abs_floor * factor)
 
 
 DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {

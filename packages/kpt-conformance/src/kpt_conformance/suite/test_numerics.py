@@ -57,11 +57,11 @@ def _judge(record_property, report: CheckReport) -> None:
 def test_forward(request, backend, device, spec, case, dtype, record_property) -> None:
     _record(record_property, spec, case, dtype, "forward")
     _judge(record_property, check_forward(backend, spec, _inputs(request, device, case, dtype), dtype,
-                                          case.tolerance_scale))
+                                          case.tolerance_scale, case.eager_factor))
 
 
 def test_backward(request, backend, device, spec, case, dtype, record_property) -> None:
     _record(record_property, spec, case, dtype, "backward")
     g = torch.Generator().manual_seed(request.config.kpt_seed(request.node.nodeid + "/grad"))
     _judge(record_property, check_backward(backend, spec, _inputs(request, device, case, dtype), dtype, g,
-                                           case.tolerance_scale))
+                                           case.tolerance_scale, case.eager_factor))

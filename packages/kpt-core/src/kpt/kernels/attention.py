@@ -195,13 +195,18 @@ def _cases() -> list[Case]:
         case("long", b=1, hq=1, hkv=1, sq=1000, skv=1000, d=64, causal=True),
         case("strided", b=2, hq=4, hkv=2, sq=64, skv=64, d=64, causal=True, transposed=True),
         case("explicit_scale", b=1, hq=2, hkv=2, sq=16, skv=16, d=64, scale=0.3),
+        # the extremes of scale: 0 (uniform weights, o = mean(v); a backend that reads 0 as "not
+        # given" applies D^-0.5) and 1 at D = 16, four times the default (near one-hot rows)
+        case("scale_zero", b=1, hq=2, hkv=1, sq=16, skv=24, d=32, scale=0.0),
+        case("scale_large", b=1, hq=2, hkv=1, sq=16, skv=24, d=16, causal=True, scale=1.0),
+        # one key: every row of p is exactly 1, so dq and dk are exactly 0 (rounding of dp − Σ p·dp)
+        case("single_key", b=2, hq=4, hkv=2, sq=1, skv=1, d=64, causal=True),
         case("zero_batch", b=0, hq=4, hkv=2, sq=16, skv=16, d=64),
         case("zero_queries", b=2, hq=2, hkv=2, sq=0, skv=16, d=64, causal=True),
         case("zero_keys", b=2, hq=2, hkv=2, sq=16, skv=0, d=64),
-        # scores with a standard deviation of 16: a nearly one-hot softmax, whose exp overflows 16-bit
-        # types unless the maximum is subtracted; larger scores are ill-conditioned in float32 itself
-        # scores with standard deviation 16: near one-hot rows; float32 exp and sums (PyTorch's own
-        # float32 attention included) land at 1.6-3.3e-5, above the default 2e-5
+        # scores with standard deviation 16: near one-hot rows, whose exp overflows 16-bit types
+        # unless the maximum is subtracted; float32 exp and sums (PyTorch's own float32 attention
+        # included) land at 1.6-3.3e-5, above the default 2e-5
         case("huge_scores", b=1, hq=2, hkv=2, sq=64, skv=64, d=64, causal=True, qk_scale=4.0, tolerance_scale=4.0),
         case("tiny_scores", b=1, hq=2, hkv=2, sq=64, skv=64, d=64, qk_scale=1e-3),
         case("perf", b=4, hq=32, hkv=32, sq=4096, skv=4096, d=128, causal=True, perf=True),

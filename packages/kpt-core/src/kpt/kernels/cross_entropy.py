@@ -328,6 +328,10 @@ def _cross_entropy_cases() -> list[Case]:
         case("none", shape=(17, 1000), reduction="none"),
         case("label_smoothing", shape=(17, 1000), label_smoothing=0.1),
         case("label_smoothing_none", shape=(3, 4097), label_smoothing=0.2, reduction="none"),
+        # smoothing near and at 1: the target's weight 1 − ε vanishes and the uniform term
+        # dominates, so an ε applied to the wrong term (or as 1 − ε) is wrong in loss and gradient
+        case("label_smoothing_near_1", shape=(17, 1000), label_smoothing=0.95),
+        case("label_smoothing_1", shape=(8, 100), label_smoothing=1.0, reduction="none"),
         # ignore_index may be a real class id (a padding token)
         case("ignore_class_0", shape=(64, 7), ignore_index=0, ignored=0.0),
         case("all_ignored", shape=(8, 100), ignored=1.0),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, rows
+from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, rows, transposed
 
 
 def layer_norm(
@@ -62,7 +62,8 @@ def layer_norm_forward(
         y = y * weight.to(ct)
     if bias is not None:
         y = y + bias.to(ct)
-    return y.to(x.dtype).reshape(x.shape), mean, rstd
+    # contiguous even for a transposed input: elementwise ops keep the input's layout
+    return y.to(x.dtype).reshape(x.shape).contiguous(), mean, rstd
 
 
 def layer_norm_backward(
@@ -77,7 +78,7 @@ def layer_norm_backward(
     dx = rstd[:, None] * (g - _row_mean(g)[:, None] - xhat * _row_mean(g * xhat)[:, None])
     dweight = (dyr * xhat).sum(0).to(weight.dtype) if weight is not None else x.new_empty(0)
     dbias = dyr.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
-    return dx.to(x.dtype).reshape(x.shape), dweight, dbias
+    return dx.to(x.dtype).reshape(x.shape).contiguous(), dweight, dbias
 
 
 def _flops(a: Args) -> float:
@@ -87,20 +88,20 @@ def _flops(a: Args) -> float:
 
 def _make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
           layout=identity, offset: float = 0.0, param_dtype: torch.dtype | None = None,
-          weight: bool = True, bias: bool = True) -> Args:
+          weight: bool = True, bias: bool = True, eps: float = 1e-5) -> Args:
     x = layout((randn(g, *shape, dtype=torch.float64, scale=scale) + offset).to(dtype))
     pd = param_dtype or dtype
     return {
         "x": x,
         "weight": randn(g, shape[-1], dtype=pd) + 1.0 if weight else None,
         "bias": randn(g, shape[-1], dtype=pd) if bias else None,
-        "eps": 1e-5,
+        "eps": eps,
     }
 
 
 def _cases() -> list[Case]:
-    def case(name: str, dtypes: tuple[torch.dtype, ...] | None = None, **kw) -> Case:
-        return Case(name, lambda g, dtype: _make(g, dtype, **kw), dtypes=dtypes)
+    def case(name: str, dtypes: tuple[torch.dtype, ...] | None = None, description: str = "", **kw) -> Case:
+        return Case(name, lambda g, dtype: _make(g, dtype, **kw), dtypes=dtypes, description=description)
 
     return row_cases(_make, (16384, 4096)) + [
         # mixed precision training: float32 parameters with 16-bit activations
@@ -111,6 +112,13 @@ def _cases() -> list[Case]:
         case("bias_only", shape=(5, 256), weight=False),
         # |mean| ≫ std: exposes a one-pass variance
         case("large_mean", shape=(8, 2048), offset=100.0),
+        # eps as large as the variance, and a large eps at unit scale: an eps misplaced (outside
+        # the root, added to the standard deviation, dropped from the backward) gives a wrong result
+        case("eps_comparable", shape=(8, 256), scale=3e-3,
+             description="inputs scaled by 3e-3: eps = 1e-5 about their variance"),
+        case("eps_large", shape=(8, 256), eps=1.0, description="eps = 1 at unit-scale inputs"),
+        # a dense column-major layout: elementwise results follow it unless made contiguous
+        case("transposed", shape=(256, 96), layout=transposed, description="transposed input (dense, column-major)"),
     ]
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, rows
+from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, rows, transposed
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
@@ -101,7 +101,8 @@ def add_rms_norm_forward(
     x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(y, h, rstd)``."""
-    h = (x.to(compute_dtype(x.dtype)) + residual.to(compute_dtype(x.dtype))).to(x.dtype)
+    # contiguous even for transposed inputs (an output of the contract is a new contiguous tensor)
+    h = (x.to(compute_dtype(x.dtype)) + residual.to(compute_dtype(x.dtype))).to(x.dtype).contiguous()
     y, rstd = _normalize(h, weight, eps)
     return y, h, rstd
 
@@ -127,12 +128,13 @@ def _add_rms_norm_flops(a: Args) -> float:
 
 
 def _make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
-          layout=identity, residual: bool = False, weight_dtype: torch.dtype | None = None) -> Args:
+          layout=identity, residual: bool = False, weight_dtype: torch.dtype | None = None,
+          eps: float = 1e-6) -> Args:
     x = layout(randn(g, *shape, dtype=dtype, scale=scale))
     weight = randn(g, shape[-1], dtype=weight_dtype or dtype) + 1.0
     if residual:
-        return {"x": x, "residual": layout(randn(g, *shape, dtype=dtype, scale=scale)), "weight": weight, "eps": 1e-6}
-    return {"x": x, "weight": weight, "eps": 1e-6}
+        return {"x": x, "residual": layout(randn(g, *shape, dtype=dtype, scale=scale)), "weight": weight, "eps": eps}
+    return {"x": x, "weight": weight, "eps": eps}
 
 
 def _cases(residual: bool):
@@ -140,7 +142,19 @@ def _cases(residual: bool):
         def make(g, dtype, **kw):
             return _make(g, dtype, residual=residual, **kw)
 
+        def case(name: str, description: str, **kw) -> Case:
+            return Case(name, lambda g, dtype: make(g, dtype, **kw), description=description)
+
+        # the normalized h is x (mean square scale²) or x + residual (2·scale²)
+        small = 7e-4 if residual else 1e-3
         extra = [
+            # eps as large as the mean square, and a large eps at unit scale: an eps misplaced
+            # (outside the root, added to the rms, dropped from the backward) gives a wrong result
+            case("eps_comparable", f"inputs scaled by {small:g}: eps = 1e-6 about their mean square",
+                 shape=(8, 256), scale=small),
+            case("eps_large", "eps = 1 at unit-scale inputs", shape=(8, 256), eps=1.0),
+            # a dense column-major layout: elementwise results follow it unless made contiguous
+            case("transposed", "transposed inputs (dense, column-major)", shape=(256, 96), layout=transposed),
             # mixed precision training: float32 weight with 16-bit activations
             Case("fp32_weight", lambda g, dtype: _make(g, dtype, shape=(5, 256), residual=residual,
                                                       weight_dtype=torch.float32),
