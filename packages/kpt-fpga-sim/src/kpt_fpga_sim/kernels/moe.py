@@ -76,11 +76,20 @@ def _blocks(offsets):
     return [slice(bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
 
 
+def _rows_of_experts(a, parts, offsets, rows, width, like, name):
+    """The experts' row blocks with zero rows before the first and after the last (rows of no
+    expert); the backend checks that offsets are non-decreasing within ``[0, rows]``."""
+    first, last = int(offsets[0]), int(offsets[-1])
+    head = a.load(like.new_zeros(first, width), name)
+    tail = a.load(like.new_zeros(rows - last, width), name)
+    return a.cat([head, *parts, tail], 0)
+
+
 def grouped_linear_fwd(x_sorted, offsets, weight):
     a = current().arith
     x, w = a.load(x_sorted, "x_sorted"), a.load(weight, "weight")
     parts = [x[r] @ w[e].mT for e, r in enumerate(_blocks(offsets))]
-    y = a.cat(parts, 0) if parts else a.load(x_sorted.new_zeros(0, weight.shape[1]), "y")
+    y = _rows_of_experts(a, parts, offsets, x_sorted.shape[0], weight.shape[1], x_sorted, "y")
     return a.out(a.cast(y, "y"), x_sorted.dtype)
 
 
@@ -92,7 +101,7 @@ def grouped_linear_bwd(x_sorted, offsets, weight, y, dy):
     blocks = _blocks(offsets)
     dx = [g[r] @ w[e] for e, r in enumerate(blocks)]
     dw = [(g[r].mT @ x[r]).unsqueeze(0) for r in blocks]
-    dx = a.cat(dx, 0) if dx else a.load(zeros(x_sorted), "dx")
+    dx = _rows_of_experts(a, dx, offsets, x_sorted.shape[0], x_sorted.shape[1], x_sorted, "dx")
     dw = a.cat(dw, 0) if dw else a.load(zeros(weight), "dweight")
     return (a.out(a.cast(dx, "dx_sorted"), x_sorted.dtype),
             a.out(a.cast(dw, "dweight", a.grown(x_sorted.shape[0])), weight.dtype))
