@@ -87,8 +87,9 @@ def main() -> int:
             failed[name] = f"compiled and eager results differ: {exc}"
     for name, error in failed.items():
         print(f"--- {name} failed:\n{error}", file=sys.stderr)
-    print(f"{be.name}: {len(specs) - len(failed)} of {len(specs)} kernels compiled first, forward and backward, "
-          f"in {time.perf_counter() - start:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    summary = f"; failed: {', '.join(failed)}" if failed else ""
+    print(f"{be.conformance_profile}: {len(specs) - len(failed)} of {len(specs)} kernels compiled first, "
+          f"forward and backward, in {time.perf_counter() - start:.0f} s{summary}")
     return 1 if failed else 0
 
 
