@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot  # what CI runs
+    nox -s lint tests conformance example aot usage  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -128,6 +128,17 @@ def aot(session: nox.Session) -> None:
         for arch in archs:
             session.run("python", "-m", "kpt_triton.aot", "--backend", backend, "--arch", arch, *scope,
                         env={"TRITON_INTERPRET": "0"})
+
+
+@nox.session
+def usage(session: nox.Session) -> None:
+    """What a newcomer meets first, on the installed packages: every kernel compiled before any
+    eager call, forward and backward, in a fresh process per conformance profile; the README's
+    Python snippets; mypy over a user's first script (tests/)."""
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy"))
+    for backend, _, _, env in PROFILES.values():
+        session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
 
 
 @nox.session

@@ -46,6 +46,32 @@ def test_unknown_name_lists_registered(registry: kpt.Registry) -> None:
         registry.get("nope")
 
 
+def test_environment_variable_is_named_in_its_errors(registry: kpt.Registry,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KPT_BACKEND", "nope")
+    with pytest.raises(kpt.BackendError, match=r"unknown kpt backend 'nope' \(named by the KPT_BACKEND environment"):
+        registry.get()
+    monkeypatch.setenv("KPT_BACKEND", "fixture-unavailable")
+    with pytest.raises(kpt.BackendError, match=r"\(named by the KPT_BACKEND environment variable\) is not available"):
+        registry.get()
+    with pytest.raises(kpt.BackendError) as info:  # a name passed in is not blamed on the variable
+        registry.get("nope")
+    assert "KPT_BACKEND" not in str(info.value)
+
+
+def test_list_prints_as_a_table(registry: kpt.Registry) -> None:
+    listed = registry.list()
+    lines = repr(listed).splitlines()
+    assert str(listed) == repr(listed) == listed.table()
+    assert lines[0].split() == ["backend", "vendor", "device", "priority", "usable", "why", "not"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert list(rows) == [i.name for i in listed]
+    assert rows["fixture-unavailable"].split()[4:] == ["no", "no", "fixture", "device", "here"]
+    assert "yes, when named (simulator)" in rows["fixture-sim"]
+    assert rows["reference"].split()[1:] == ["kpt", "cpu", "0", "yes"]
+    assert "ImportError" in rows["broken-import"] and "libfixture.so" in rows["broken-import"]
+
+
 def test_list_reports_every_backend_and_failure(registry: kpt.Registry) -> None:
     infos = {i.name: i for i in registry.list()}
     assert infos["reference"].available and infos["fixture-fast"].available

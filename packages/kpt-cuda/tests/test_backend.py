@@ -64,7 +64,9 @@ def test_unavailable_reasons(monkeypatch, case, reason):
     be = kpt_cuda.CudaBackend()
     available, why = be.is_available()
     assert not available and reason in why
-    assert why in be.environment()["device"]
+    # the reason says how to run the kernels without the device; reports record the device's status
+    status = why.removesuffix(" (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors)")
+    assert status != why and status in be.environment()["device"]
 
 
 @pytest.mark.parametrize("cc, gib, arch", [((8, 0), 80, "sm80"), ((8, 9), 24, "sm80"), ((9, 0), 80, "sm90"),

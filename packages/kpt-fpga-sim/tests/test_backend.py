@@ -59,6 +59,20 @@ def test_environment_selects_the_configuration(monkeypatch) -> None:
     assert (config.format, config.device.name, config.clock_mhz) == (FIXED, "u280", 250.0)
 
 
+@pytest.mark.parametrize("variable, value, message", [
+    ("KPT_FPGA_SIM_FORMAT", "ap_fixd<16,6>", "number format"),
+    ("KPT_FPGA_SIM_DEVICE", "u999", "u999"),
+    ("KPT_FPGA_SIM_CLOCK_MHZ", "fast", "could not convert"),
+])
+def test_a_bad_environment_value_names_its_variable(monkeypatch, variable, value, message) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}={value!r}: .*{message}"):
+        from_environment()
+    # the registry refuses the plugin with that reason, and says it when the backend is asked for
+    with pytest.raises(kpt.BackendError, match=f"'fpga-sim' cannot be used: .*{variable}={value!r}"):
+        kpt.Registry().get("fpga-sim")
+
+
 def _draw(spec_name: str, case_name: str, dtype: torch.dtype) -> dict:
     spec = kpt.SPECS[spec_name]
     case = next(c for c in spec.cases() if c.name == case_name)

@@ -30,7 +30,7 @@ def test_plugin_returns_one_backend():
 
 def test_every_contract_kernel_is_wired_to_kpt_triton():
     kernels = kpt_rocm.RocmBackend().kernels()
-    assert set(kernels) == set(kpt.SPECS) and kpt.missing_kernels(kernels) == []
+    assert set(kernels) == set(kpt.SPECS) and kpt.missing_kernels(kernels) == {}
     for name, k in kernels.items():
         assert k.forward.body.__name__ == f"{name}_fwd"
         assert k.forward.body.__module__.startswith("kpt_triton.")
@@ -70,7 +70,9 @@ def test_unavailable_reasons(monkeypatch, hip, cuda, visible, arch, reason):
     be = kpt_rocm.RocmBackend()
     available, why = be.is_available()
     assert not available and reason in why
-    assert why in be.environment()["device"]
+    # the reason says how to run the kernels without the device; reports record the device's status
+    status = why.removesuffix(" (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors)")
+    assert status != why and status in be.environment()["device"]
 
 
 @pytest.mark.parametrize("name, arch", [("gfx942:sramecc+:xnack-", "gfx942"), ("gfx950", "gfx950"),

@@ -3,6 +3,8 @@
     import kpt
     be = kpt.get_backend()          # the best backend installed for this machine
     y = be.rms_norm(x, weight)      # differentiable, torch.compile-able
+    print(kpt.list_backends())      # what is installed, and why a backend cannot run here
+    kpt.list_kernels()              # the kernels; help(be.rms_norm) documents one
 
 The contract (every kernel's signature, checks, reference math and cost) lives in
 ``kpt.kernels``; backends plug in through the ``kpt.backends`` entry point (``kpt.hookspecs``).
@@ -15,15 +17,16 @@ from .errors import BackendError, KernelInputError, KernelNotSupportedError
 from .hookspecs import hookimpl
 from .kernels import SPECS
 from .ops import Kernel
-from .registry import BackendInfo, Registry, get_backend, list_backends, reload_backends
+from .overview import info, list_kernels
+from .registry import BackendInfo, BackendList, Registry, get_backend, list_backends, reload_backends
 from .spec import FLOAT_DTYPES, BadInput, BadValues, Case, KernelSpec, checked_values
 from .tolerance import Tolerance, default_tolerance
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECS", "Backend", "BackendError", "BackendInfo",
+    "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECS", "Backend", "BackendError", "BackendInfo", "BackendList",
     "BadInput", "BadValues", "Case", "Kernel", "KernelInputError", "KernelNotSupportedError", "KernelSpec",
     "PerfBar", "Registry", "Tolerance", "checked_values", "default_tolerance", "describe_missing", "get_backend",
-    "hookimpl", "kernels_from", "list_backends", "missing_kernels", "reload_backends",
+    "hookimpl", "info", "kernels_from", "list_backends", "list_kernels", "missing_kernels", "reload_backends",
 ]

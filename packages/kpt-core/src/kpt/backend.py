@@ -3,14 +3,16 @@
 A backend declares who it is (``name``, ``vendor``, ``device_type``, ``priority``), says whether
 it can run here (`Backend.is_available`) and supplies kernel bodies (`Backend.kernels`). Core
 gives every backend the same public methods, one per kernel of the contract
-(``backend.rms_norm(x, weight)``...): each validates its inputs with the kernel's spec, then
-runs the backend's body: under ``torch.compile`` as the backend's custom op (see `kpt.ops`),
-in eager mode directly, through a ``torch.autograd.Function`` when a gradient is needed.
+(``backend.rms_norm(x, weight)``..., generated into `kpt.methods`): each validates its inputs
+with the kernel's spec, then runs the backend's body: under ``torch.compile`` as the backend's
+custom op (see `kpt.ops`), in eager mode directly, through a ``torch.autograd.Function`` when a
+gradient is needed.
 """
 
 from __future__ import annotations
 
 import abc
+import difflib
 import functools
 import re
 import types
@@ -20,8 +22,9 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from .errors import BackendError, KernelNotSupportedError
+from .errors import BackendError, KernelInputError, KernelNotSupportedError
 from .kernels import SPECS
+from .methods import KernelMethods
 from .ops import Kernel, as_tuple, eager_functions, register_all
 from .spec import FLOAT_DTYPES, KernelSpec, values_checked
 from .tolerance import Tolerance
@@ -48,8 +51,9 @@ class PerfBar:
     cases: str = "perf"
 
 
-class Backend(abc.ABC):
-    """Base class of every backend. Subclasses set the class attributes and implement `kernels`."""
+class Backend(KernelMethods):
+    """Base class of every backend. Subclasses set the class attributes and implement `kernels`;
+    the kernel methods (``backend.rms_norm``...) come from `kpt.methods.KernelMethods`."""
 
     name: ClassVar[str]
     vendor: ClassVar[str]
@@ -137,7 +141,10 @@ class Backend(abc.ABC):
 
     def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
         """Validate a call of ``kernel`` against its spec and run it on this backend."""
-        spec = SPECS[kernel]
+        try:
+            spec = SPECS[kernel]
+        except KeyError:
+            raise KernelInputError(unknown_kernel(kernel)) from None
         bound = spec.check(args, kwargs, self.dtypes)
         reason = self.unsupported(kernel, bound)
         if reason:
@@ -165,6 +172,13 @@ class Backend(abc.ABC):
             out = bound_kernels.kernels[kernel].forward(*values)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
+
+
+def unknown_kernel(name: str) -> str:
+    """Why ``name`` is not a kernel: the closest kernel names, then all of them."""
+    close = difflib.get_close_matches(name, SPECS, n=3)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    return f"unknown kpt kernel {name!r}{hint}; the kernels: {', '.join(SPECS)}"
 
 
 class _Bound(NamedTuple):
@@ -250,15 +264,3 @@ def kernels_from(*modules: types.ModuleType) -> dict[str, Kernel]:
             if fwd is not None:
                 found[name] = Kernel(fwd, bwd)
     return found
-
-
-def _method(spec: KernelSpec) -> Callable[..., Any]:
-    @functools.wraps(spec.signature)
-    def method(self: Backend, *args: Any, **kwargs: Any) -> Any:
-        return self.call(spec.name, *args, **kwargs)
-
-    return method
-
-
-for _spec in SPECS.values():
-    setattr(Backend, _spec.name, _method(_spec))

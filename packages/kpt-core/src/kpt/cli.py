@@ -1,5 +1,6 @@
 """The ``kpt`` command. Each subcommand parses its options and calls one library function.
 
+    kpt info                        # versions, backends (usable here or why not), kernels
     kpt check --backend mydevice [--device cuda:1] [--dtypes float32,bfloat16] [--kernels rms_norm,silu]
               [--seed N] [--report DIR] [--xfails FILE_OR_DIR] [-- PYTEST_ARGS...]
 """
@@ -25,6 +26,13 @@ def _check(args: argparse.Namespace) -> int:
                  report=args.report, xfails=args.xfails, pytest_args=args.pytest_args)
 
 
+def _info(args: argparse.Namespace) -> int:
+    from .overview import info
+
+    print(info())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kpt", description="kpt: one kernel API for many accelerators")
     commands = p.add_subparsers(dest="command", required=True)
@@ -42,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--xfails", help="expected failures: a file, or a directory holding <profile>.txt")
     check.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest (-x, -k EXPR, -v)")
     check.set_defaults(run=_check)
+    commands.add_parser(
+        "info", help="show versions, the installed backends and the kernels",
+        description="Show the versions, every installed backend (whether it can run here, or why not), "
+                    "the backend kpt.get_backend() picks here, and the kernels with their parameters.",
+    ).set_defaults(run=_info)
     return p
 
 

@@ -41,6 +41,24 @@ class BackendInfo:
     plugin: str
 
 
+class BackendList(list[BackendInfo]):
+    """What `list_backends` returns: a list of `BackendInfo` that prints as a table."""
+
+    def table(self) -> str:
+        """One row per backend: who makes it, its device, its priority, and whether it can be
+        used here (a simulator only when named), else why not."""
+        rows = [("backend", "vendor", "device", "priority", "usable", "why not")]
+        for i in self:
+            usable = ("yes, when named (simulator)" if i.simulator else "yes") if i.available else "no"
+            why = i.reason + (f" ({i.error})" if i.error else "")
+            rows.append((i.name, i.vendor, i.device_type, str(i.priority), usable, why))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
+        return "\n".join("  ".join([*(v.ljust(w) for v, w in zip(row, widths)), row[-1]]).rstrip() for row in rows)
+
+    def __repr__(self) -> str:
+        return self.table()
+
+
 class Registry:
     """The backends found through ``entry_points`` (default: the installed ``kpt.backends``)."""
 
@@ -108,22 +126,24 @@ class Registry:
         report what it lacks), or None."""
         return self._seen.get(name)
 
-    def list(self) -> list[BackendInfo]:
-        return sorted(self.infos.values(), key=lambda i: (-i.priority, i.name))
+    def list(self) -> BackendList:
+        return BackendList(sorted(self.infos.values(), key=lambda i: (-i.priority, i.name)))
 
     def get(self, name: str | None = None) -> Backend:
-        name = name or os.environ.get("KPT_BACKEND") or None
+        source = ""
+        if name is None and os.environ.get("KPT_BACKEND"):
+            name, source = os.environ["KPT_BACKEND"], " (named by the KPT_BACKEND environment variable)"
         if name is None:
             usable = [i for i in self.list() if i.available and not i.simulator and i.name in self.backends]
             return self._bound(self.backends[usable[0].name] if usable else self.backends["reference"])
         if name not in self.infos:
-            raise BackendError(f"unknown kpt backend {name!r}; registered: {', '.join(sorted(self.infos))}")
+            raise BackendError(f"unknown kpt backend {name!r}{source}; registered: {', '.join(sorted(self.infos))}")
         info = self.infos[name]
         if name not in self.backends:
-            raise BackendError(f"kpt backend {name!r} cannot be used: {info.reason}"
+            raise BackendError(f"kpt backend {name!r}{source} cannot be used: {info.reason}"
                                + (f" ({info.error})" if info.error else ""))
         if not info.available:
-            raise BackendError(f"kpt backend {name!r} is not available here: {info.reason}")
+            raise BackendError(f"kpt backend {name!r}{source} is not available here: {info.reason}")
         return self._bound(self.backends[name])
 
     @staticmethod
@@ -160,6 +180,7 @@ def get_backend(name: str | None = None) -> Backend:
     return registry().get(name)
 
 
-def list_backends() -> list[BackendInfo]:
-    """Every discovered backend, usable or not, highest priority first, with the reasons."""
+def list_backends() -> BackendList:
+    """Every discovered backend, usable or not, highest priority first, with the reasons; it
+    prints as a table."""
     return registry().list()

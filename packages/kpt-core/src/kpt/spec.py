@@ -23,13 +23,12 @@ under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -127,18 +126,21 @@ class KernelSpec:
         tensors = [v for v in args.values() if isinstance(v, torch.Tensor)]
         return nbytes(*tensors, *outputs[: len(self.outputs)])
 
-    @functools.cached_property
-    def _signature(self) -> inspect.Signature:
-        return inspect.signature(self.signature)
+    _signature: inspect.Signature = field(init=False, repr=False, compare=False)
+    _parameters: tuple[tuple[str, ...], dict[str, Any]] | None = field(init=False, repr=False, compare=False)
+    """Names and defaults, when every parameter is positional-or-keyword (then `bind` skips
+    ``inspect``, which costs more than the rest of a call's host time)."""
 
-    @functools.cached_property
-    def _parameters(self) -> tuple[tuple[str, ...], dict[str, Any]] | None:
-        """Names and defaults, when every parameter is positional-or-keyword (then `bind` skips
-        ``inspect``, which costs more than the rest of a call's host time)."""
-        params = self._signature.parameters.values()
-        if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
-            return None
-        return tuple(p.name for p in params), {p.name: p.default for p in params if p.default is not p.empty}
+    def __post_init__(self) -> None:
+        # computed here, not lazily: a functools.cached_property takes a lock on Python < 3.12,
+        # which torch.compile cannot trace (a kernel compiled before its first eager call)
+        signature = inspect.signature(self.signature)
+        params = signature.parameters.values()
+        fast = None
+        if all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+            fast = tuple(p.name for p in params), {p.name: p.default for p in params if p.default is not p.empty}
+        object.__setattr__(self, "_signature", signature)
+        object.__setattr__(self, "_parameters", fast)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
         """Match a call to the public signature, defaults applied; a wrong call is a KernelInputError."""

@@ -121,10 +121,21 @@ def make_config(base: SimConfig, *, format: Format | str | None = None, device: 
     return config
 
 
+ENVIRONMENT = (("KPT_FPGA_SIM_FORMAT", "format"), ("KPT_FPGA_SIM_DEVICE", "device"),
+               ("KPT_FPGA_SIM_CLOCK_MHZ", "clock_mhz"))
+"""The variables `from_environment` reads, each with the `make_config` setting it gives."""
+
+
 def from_environment() -> SimConfig:
-    """The default configuration, with the ``KPT_FPGA_SIM_*`` variables applied."""
-    env = os.environ
-    clock = env.get("KPT_FPGA_SIM_CLOCK_MHZ")
-    return make_config(SimConfig(), format=env.get("KPT_FPGA_SIM_FORMAT") or None,
-                       device=env.get("KPT_FPGA_SIM_DEVICE") or None,
-                       clock_mhz=float(clock) if clock else None)
+    """The default configuration, with the ``KPT_FPGA_SIM_*`` variables applied; a value that
+    is not valid raises ValueError naming its variable."""
+    config = SimConfig()
+    for variable, setting in ENVIRONMENT:
+        value = os.environ.get(variable)
+        if not value:
+            continue
+        try:
+            config = make_config(config, **{setting: float(value) if setting == "clock_mhz" else value})
+        except ValueError as exc:
+            raise ValueError(f"{variable}={value!r}: {exc}") from None
+    return config

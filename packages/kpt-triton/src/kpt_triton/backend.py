@@ -111,7 +111,11 @@ class TritonBackend(kpt.Backend):
         return self.tables[self.arch()].get(launcher, {})
 
     def is_available(self) -> tuple[bool, str]:
-        return (True, "") if interpreted() else self.device_status()
+        """The device's status; without a device, the reason says how to run the kernels anyway."""
+        if interpreted():
+            return True, ""
+        available, why = self.device_status()
+        return available, why if available else f"{why} (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors)"
 
     def kernels(self) -> dict[str, kpt.Kernel]:
         native = () if interpreted() else self.native_modules()
