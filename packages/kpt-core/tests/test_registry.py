@@ -16,7 +16,8 @@ def _ep(name: str, module: str) -> EntryPoint:
     return EntryPoint(name=name, value=f"kpt_fixture_plugins.{module}", group=ENTRY_POINT_GROUP)
 
 
-PLUGINS = [_ep("fixtures", "backends"), _ep("broken-import", "broken_import"), _ep("broken-hook", "broken_hook")]
+PLUGINS = [_ep("fixtures", "backends"), _ep("broken-import", "broken_import"), _ep("broken-hook", "broken_hook"),
+           _ep("wrong-types", "wrong_types"), _ep("not-a-list", "not_a_list")]
 
 
 @pytest.fixture
@@ -83,6 +84,11 @@ def test_list_reports_every_backend_and_failure(registry: kpt.Registry) -> None:
     assert "missing kernels: rms_norm" in infos["fixture-incomplete"].reason
     assert "contract v0" in infos["fixture-wrong-version"].reason
     assert "driver exploded" in infos["fixture-availability-raises"].error
+    assert "returned 'not a backend', which is not a kpt.Backend" in infos["wrong-types"].reason
+    assert "not iterable" in infos["not-a-list"].error
+    # a second backend named "reference" is refused under its own entry (plugin:name); the first one keeps the name
+    assert "already registered by plugin 'reference'" in infos["wrong-types:reference"].reason
+    assert infos["reference"].plugin == "reference" and registry.get("reference").name == "reference"
     assert [i.priority for i in registry.list()] == sorted((i.priority for i in registry.list()), reverse=True)
 
 
@@ -188,3 +194,34 @@ def test_first_call_of_a_backend_can_be_inside_fullgraph_compile(registry: kpt.R
     x, w = torch.randn(4, 8), torch.randn(8)
     compiled = torch.compile(lambda x, w: be.rms_norm(x, w) + 1, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, w), be.rms_norm(x, w) + 1)
+
+
+def test_an_exception_inside_a_kernel_is_a_backend_error_naming_backend_and_kernel() -> None:
+    from kpt.reference import ReferenceBackend
+
+    class Faulty(ReferenceBackend):
+        name = "fixture-faulty-kernel"
+
+        def kernels(self):
+            def forward(*args):
+                raise IndexError("index 7 is out of bounds")
+
+            def backward(*args):
+                raise ZeroDivisionError("division by zero")
+
+            bodies = super().kernels()
+            return {**bodies, "silu": kpt.Kernel(forward, bodies["silu"].backward),
+                    "gelu": kpt.Kernel(bodies["gelu"].forward, backward)}
+
+    be = Faulty()
+    message = r"'fixture-faulty-kernel' failed in silu \(forward\): IndexError"
+    with pytest.raises(kpt.BackendError, match=message) as info:
+        be.silu(torch.randn(3))
+    assert isinstance(info.value.__cause__, IndexError)
+    y = be.gelu(torch.randn(3, requires_grad=True))
+    with pytest.raises(kpt.BackendError, match=r"failed in gelu \(backward\): ZeroDivisionError"):
+        y.sum().backward()
+    # the contract's own errors pass through unchanged, and other kernels keep working
+    with pytest.raises(kpt.KernelInputError):
+        be.silu(torch.ones(3, dtype=torch.int64))
+    torch.testing.assert_close(be.softmax(torch.zeros(4)), torch.full((4,), 0.25))

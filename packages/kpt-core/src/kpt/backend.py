@@ -136,7 +136,7 @@ class Backend(KernelMethods):
         # backend kernel by kernel); each missing body raises BackendError when called
         given = self.kernels()
         missing = missing_kernels(given)
-        kernels = _with_missing_bodies(self.name, given, missing)
+        kernels = _guarded(self.name, _with_missing_bodies(self.name, given, missing))
         return _Bound(kernels, register_all(self.op_namespace, kernels), eager_functions(kernels), missing)
 
     def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
@@ -215,6 +215,34 @@ def missing_kernels(kernels: Mapping[str, Kernel]) -> dict[str, tuple[str, ...]]
 def describe_missing(missing: Mapping[str, tuple[str, ...]]) -> str:
     """``rms_norm (forward, backward), silu (backward)``: what `missing_kernels` found, in words."""
     return ", ".join(f"{name} ({', '.join(parts)})" for name, parts in missing.items())
+
+
+PASSED_THROUGH = (KernelInputError, KernelNotSupportedError, BackendError, torch.OutOfMemoryError)
+"""What a kernel body may raise as it is: kpt's own errors, and running out of device memory (a
+condition of the machine that callers handle, not a fault of the backend)."""
+
+
+def _guarded(backend: str, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
+    """Each body re-raising any other exception as a `BackendError` naming the backend, the kernel
+    and the direction (the original is chained as its cause), so that a faulty plugin is told
+    apart from a bad call."""
+
+    def guard(kernel: str, part: str, body: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(body)
+        def guarded(*args: Any) -> Any:
+            try:
+                return body(*args)
+            except PASSED_THROUGH:
+                raise
+            except Exception as exc:
+                raise BackendError(f"backend {backend!r} failed in {kernel} ({part}): "
+                                   f"{type(exc).__name__}: {exc}") from exc
+
+        return guarded
+
+    return {name: Kernel(guard(name, "forward", k.forward),
+                         None if k.backward is None else guard(name, "backward", k.backward))
+            for name, k in kernels.items()}
 
 
 def _with_missing_bodies(backend: str, kernels: Mapping[str, Kernel],

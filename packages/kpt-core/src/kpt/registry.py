@@ -99,11 +99,14 @@ class Registry:
             self._add_backend(plugin, backend)
 
     def _add_backend(self, plugin: str, backend: Backend) -> None:
-        name = getattr(backend, "name", repr(backend))
         if not isinstance(backend, Backend):
-            return self._fail(plugin, name, f"{backend!r} is not a kpt.Backend", None)
-        if name in self.backends:
-            return self._fail(plugin, name, f"name already registered by {self.infos[name].plugin}", None)
+            return self._fail(plugin, plugin, f"its hook returned {backend!r}, which is not a kpt.Backend", None)
+        name = backend.name
+        if name in self.infos:
+            # recorded under its own key: the backend that holds the name keeps its entry
+            return self._fail(plugin, f"{plugin}:{name}",
+                              f"refused: the name {name!r} is already registered by plugin {self.infos[name].plugin!r}",
+                              None)
         self._seen[name] = backend
         if backend.contract_version != CONTRACT_VERSION:
             return self._fail(plugin, name, (
