@@ -30,7 +30,7 @@ def test_plugin_returns_one_backend():
 
 def test_every_contract_kernel_is_wired_to_kpt_triton():
     kernels = kpt_rocm.RocmBackend().kernels()
-    assert set(kernels) == set(kpt.SPECS) and kpt.missing_kernels(kernels) == []
+    assert set(kernels) == set(kpt.SPECS) and kpt.missing_kernels(kernels) == {}
     for name, k in kernels.items():
         assert k.forward.body.__name__ == f"{name}_fwd"
         assert k.forward.body.__module__.startswith("kpt_triton.")
