@@ -2,10 +2,13 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot usage  # what CI runs
+    nox -s lint tests conformance example aot usage newest  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
+Supported versions (README.md): constraints/ci.txt pins the oldest triton kpt supports, 3.6, so every
+session but `newest` tests that end of the range, and `newest` the other (`NEWEST`). The oldest torch,
+2.11, is tested on the GPU only: CI cannot install a CPU build of it.
 Each conformance session installs kpt-core, the suite (kpt-conformance), one backend package (with
 the packages it builds on) and nothing else, and runs `kpt check` on it.
 """
@@ -78,6 +81,27 @@ def conformance(session: nox.Session, profile: str) -> None:
     _install(session, *packages, extra=extra)
     session.run("kpt", "check", "--backend", backend, "--report", f"reports/{profile}",
                 "--xfails", "conformance/xfails", "--", *CUTS.get(profile, ()), *session.posargs, env=env)
+
+
+# the newest releases kpt supports; the rest as constraints/ci.txt pins it (torch: the CPU build of 2.13.0)
+NEWEST = {"triton": "3.9.0", "numpy": "2.4.6"}
+
+
+@nox.session
+def newest(session: nox.Session) -> None:
+    """The unit tests of the packages that use Triton and the cuda backend's conformance in float32
+    through Triton's interpreter, with the `NEWEST` releases (the other packages do not import
+    Triton); report in reports/newest-cuda-interpret/."""
+    pins = [line for line in Path("constraints/ci.txt").read_text().splitlines() if line.split("==")[0] not in NEWEST]
+    constraints = Path(session.create_tmp()) / "newest.txt"
+    constraints.write_text("\n".join([*pins, *(f"{name}=={version}" for name, version in NEWEST.items())]))
+    editable = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
+    session.install("-c", str(constraints), "pytest", "numpy", *editable)
+    interpret = {"TRITON_INTERPRET": "1"}
+    for package in ("kpt-triton", "kpt-cuda", "kpt-rocm"):
+        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", env=interpret)
+    session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--report", "reports/newest-cuda-interpret",
+                "--xfails", "conformance/xfails", env=interpret)
 
 
 @nox.session

@@ -29,6 +29,8 @@ import triton.language as tl
 
 from .tiling import as_rows, row_tiling, tile_of, tiles, warps
 
+# These constants multiply tensors from the right only: under the interpreter ``constexpr * tensor``
+# is a constexpr that wraps the tensor, which the math functions of Triton 3.9 reject.
 _SQRT_HALF = tl.constexpr(math.sqrt(0.5))
 _INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 _SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -42,8 +44,8 @@ def _act(x, ACT: tl.constexpr):
         s = tl.sigmoid(x)
         return x * s, s * (1.0 + x * (1.0 - s))
     elif ACT == "gelu_tanh":
-        s = tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x))
-        grad = s + 2.0 * x * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * x * x)
+        s = tl.sigmoid((x + x * x * x * _TANH_CUBIC) * (2.0 * _SQRT_2_OVER_PI))
+        grad = s + 2.0 * x * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + x * x * (3.0 * _TANH_CUBIC))
         return x * s, grad
     else:
         # erfc would keep full relative precision in the far negative tail (x < −4, where
