@@ -104,6 +104,18 @@ def newest(session: nox.Session) -> None:
                 "--xfails", "conformance/xfails", env=interpret)
 
 
+@nox.session(default=False)
+def fuzz(session: nox.Session) -> None:
+    """A larger budget of fuzzed invalid calls than CI's (``-- N`` examples per kernel, default
+    2000) on the reference and the cuda backend (through the interpreter on a CPU machine)."""
+    examples = session.posargs[0] if session.posargs else "2000"
+    for profile in ("reference", CUDA_PROFILE):
+        backend, packages, extra, env = PROFILES[profile]
+        _install(session, *packages, extra=extra)
+        session.run("kpt", "check", "--backend", backend, "--report", f"reports/fuzz-{profile}", "--",
+                    "-k", "fuzz", "--kpt-fuzz-examples", examples, env=env)
+
+
 @nox.session
 def example(session: nox.Session) -> None:
     """The example backend from outside kpt's packages, checked as a vendor checks one: installed

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -140,3 +143,13 @@ def test_every_kernel_declares_a_speed_bar():
             assert bar.min_speedup is not None or bar.min_ceiling_fraction is not None, (name, mode)
     assert be.perf_bar("rms_norm", "fwd").min_ceiling_fraction == 0.6
     assert be.perf_bar("rms_norm", "fwd+bwd").min_ceiling_fraction is None
+
+
+def test_plugin_loads_without_numpy() -> None:
+    # numpy comes only with the optional CuPy extra (and Triton's interpreter, so not under it);
+    # the backend must register without it
+    code = ("import sys; sys.modules['numpy'] = None; import kpt; "
+            "info = {i.name: i for i in kpt.reload_backends().list()}['cuda']; "
+            "assert info.error is None, info.error")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

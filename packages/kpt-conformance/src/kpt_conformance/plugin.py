@@ -37,6 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="xfail file, or a directory holding <profile>.txt (default: none)")
     group.addoption("--kpt-report", default=None, help="report directory (default: reports/<profile>)")
     group.addoption("--kpt-seed", type=int, default=None, help="replay a run's random inputs (default: fresh)")
+    group.addoption("--kpt-fuzz-examples", type=int, default=25,
+                    help="invalid calls hypothesis tries per kernel (default: 25)")
 
 
 def _load_backend(name: str) -> tuple[kpt.Backend | None, str, dict[str, tuple[str, ...]]]:

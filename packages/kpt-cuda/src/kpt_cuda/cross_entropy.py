@@ -20,7 +20,6 @@ import warnings
 from importlib import resources
 from typing import Any
 
-import numpy as np
 import torch
 
 from kpt_triton import cross_entropy as portable
@@ -73,7 +72,9 @@ def _kernel(kind: int, reg_vecs: int, smem_vecs: int, smoothing: bool, device_in
 
 
 def _onchip(logits, target, unit, losses, dlogits, ignore_index, label_smoothing, split) -> None:
+    # CuPy and the numpy it depends on are optional: imported only where the kernel runs
     import cupy
+    import numpy as np
 
     reg_vecs, smem_vecs = split
     n, v = logits.shape
