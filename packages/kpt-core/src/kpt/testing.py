@@ -163,7 +163,8 @@ def to_device(args: Args, device: torch.device) -> Args:
     return moved
 
 
-def _snapshot(args: Args) -> dict[str, torch.Tensor]:
+def snapshot(args: Args) -> dict[str, torch.Tensor]:
+    """Copies of the tensor arguments, to tell later whether a call modified them (`modified`)."""
     return {k: v.detach().clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
 
 
@@ -171,7 +172,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
-def _unchanged(args: Args, before: dict[str, torch.Tensor]) -> list[str]:
+def modified(args: Args, before: dict[str, torch.Tensor]) -> list[str]:
+    """What differs, bit for bit, between the tensors of ``args`` and their `snapshot`."""
     changed = []
     for k, v in before.items():
         now = args[k].detach()
@@ -191,14 +193,14 @@ def check_forward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.d
     """Run ``spec`` on ``backend`` (inputs already on its device) and compare with the oracle;
     with ``eager_factor``, also allow that many times the error of eager (`eager_widened`)."""
     report = CheckReport(spec.name)
-    before = _snapshot(args)
+    before = snapshot(args)
     with poisoned():
         outs = as_tuple(backend.call(spec.name, **args))
     refs = as_tuple(oracle_backend().call(spec.name, **{k: to_oracle(v) for k, v in args.items()}))
     # the reference on meta tensors gives the exact dtypes the contract promises
     metas = as_tuple(oracle_backend().call(spec.name, **{k: _meta(v) for k, v in args.items()}))
     eagers = as_tuple(oracle_backend().call(spec.name, **_eager_inputs(args))) if eager_factor else refs
-    report.problems += _unchanged(args, before)
+    report.problems += modified(args, before)
     for name, out, ref, meta, eager in zip(spec.outputs, outs, refs, metas, eagers):
         if not out.is_contiguous():
             report.problems.append(f"output '{name}' is not contiguous")
@@ -225,7 +227,7 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
     ref_outs = as_tuple(oracle_backend().call(spec.name, **oracle))
     grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.device)
              if o.is_floating_point() else None for o in ref_outs]
-    before = _snapshot(leaves)
+    before = snapshot(leaves)
     with poisoned():
         outs = as_tuple(backend.call(spec.name, **leaves))
         pairs = [(o, g.to(o.dtype).to(o.device)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
@@ -235,7 +237,7 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
     upstream = {f"d{n}": g for n, o, g in zip(spec.outputs, ref_outs, grads) if g is not None and o.requires_grad}
     expected = torch.autograd.grad([o for o, _ in ref_pairs], [oracle[n] for n in grad_names],
                                    [g for _, g in ref_pairs], allow_unused=True)
-    report.problems += _unchanged(leaves, before)
+    report.problems += modified(leaves, before)
     expected = [torch.zeros(leaves[n].shape, dtype=torch.float64, device=leaves[n].device) if e is None else e
                 for n, e in zip(grad_names, expected)]
     response = loss_response({n: oracle[n] for n in grad_names}, dict(zip(grad_names, expected)))

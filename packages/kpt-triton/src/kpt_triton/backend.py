@@ -7,6 +7,7 @@ A vendor package fills in only what differs per vendor::
         tables = tuning.TABLES                   # arch tag -> launcher -> tuning keywords
         def device_status(self): ...             # (True, "") or (False, "no AMD GPU visible")
         def detect_arch(self): ...               # the arch tag of the GPU here ("gfx942")
+        def interpreter_arch(self): ...          # the arch whose tuning the interpreter runs
 
 and inherits the rest: the kernel list (derived from ``kpt.SPECS``: each kernel's body is
 ``kpt_triton.<family>.<kernel>_fwd``/``_bwd``, the family being the module of its spec), the
@@ -20,6 +21,7 @@ so a table holds only what its architecture changes.
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib
 import os
@@ -84,17 +86,17 @@ class TritonBackend(kpt.Backend):
     def __init__(self, arch: str | None = None) -> None:
         self._arch = arch
 
+    @abc.abstractmethod
     def device_status(self) -> tuple[bool, str]:
         """Whether a GPU of this vendor can run the kernels here, else why not (no interpreter)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def detect_arch(self) -> str:
         """The arch tag (a key of `tables`) of the GPU here; called only when it is available."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def interpreter_arch(self) -> str:
         """The arch tag whose tuning the interpreter runs with."""
-        raise NotImplementedError
 
     def native_modules(self) -> tuple[types.ModuleType, ...]:
         """Vendor-native bodies that replace the portable ones of the same kernels on a device."""

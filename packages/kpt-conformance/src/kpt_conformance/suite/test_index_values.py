@@ -17,24 +17,20 @@ import pytest
 import torch
 
 import kpt
-from kpt.testing import check_backward, check_forward, to_device
+from kpt.testing import check_backward, check_forward, modified, snapshot, to_device
 
 CASES = [(spec, bad) for spec in kpt.SPECS.values() for bad in spec.bad_values()]
 IDS = [f"{s.name}-{b.name}" for s, b in CASES]
 
 
-def _snapshot(args: dict) -> dict:
-    return {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-
-
 def _assert_raises_naming(backend: kpt.Backend, spec: kpt.KernelSpec, bad: kpt.BadValues, args: dict) -> None:
-    before = _snapshot(args)
+    before = snapshot(args)
     with pytest.raises(kpt.KernelInputError) as info:
         backend.call(spec.name, **args)
     message = str(info.value)
     assert spec.name in message and f"'{bad.arg}'" in message, f"error does not name {spec.name}/{bad.arg}: {message}"
-    for k, v in before.items():
-        assert torch.equal(args[k], v), f"input '{k}' was modified"
+    changed = modified(args, before)
+    assert not changed, "; ".join(changed)
 
 
 @pytest.mark.parametrize("spec, bad", CASES, ids=IDS)

@@ -317,9 +317,9 @@ def row_of_pair(order: Tensor) -> Tensor:
     return none.scatter_reduce(0, torch.where(named, o, 0), torch.where(named, rows, -1), "amax")
 
 
-def _unsort(rows: Tensor, order: Tensor) -> Tensor:
-    """Rows in expert order back to pair order ``t·k + slot`` (0 for a pair no row names)."""
-    inverse = row_of_pair(order)
+def _unsort(rows: Tensor, inverse: Tensor) -> Tensor:
+    """Rows in expert order back to pair order ``t·k + slot``, through ``inverse = row_of_pair(order)``
+    (0 for a pair no row names)."""
     return torch.where(inverse[:, None] >= 0, rows.index_select(0, inverse.clamp(min=0)), 0)
 
 
@@ -327,7 +327,7 @@ def moe_combine_forward(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tup
     """Returns ``(y,)``."""
     ct = compute_dtype(y_sorted.dtype)
     tokens, k = weights.shape
-    pairs = _unsort(y_sorted.to(ct), order).reshape(tokens, k, y_sorted.shape[1])
+    pairs = _unsort(y_sorted.to(ct), row_of_pair(order)).reshape(tokens, k, y_sorted.shape[1])
     y = (pairs * weights.to(ct)[:, :, None]).sum(1)
     return (y.to(y_sorted.dtype),)
 
@@ -342,12 +342,13 @@ def moe_combine_backward(
     tokens, k = weights.shape
     hidden = y_sorted.shape[1]
     g = dy.to(ct)[:, None, :]
-    pairs = _unsort(y_sorted.to(ct), order).reshape(tokens, k, hidden)
+    inverse = row_of_pair(order)
+    pairs = _unsort(y_sorted.to(ct), inverse).reshape(tokens, k, hidden)
     dweights = (pairs * g).sum(-1)
     dpairs = (g * weights.to(ct)[:, :, None]).reshape(tokens * k, hidden)
     # a row gets its pair's gradient only where it is the row the forward read for that pair
     pair = order.long().clamp(0, max(tokens * k - 1, 0))
-    read = row_of_pair(order).index_select(0, pair) == torch.arange(tokens * k, device=order.device)
+    read = inverse.index_select(0, pair) == torch.arange(tokens * k, device=order.device)
     dy_sorted = torch.where(read[:, None], dpairs.index_select(0, pair), 0)
     return dy_sorted.to(y_sorted.dtype), dweights.to(weights.dtype)
 
