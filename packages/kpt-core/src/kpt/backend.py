@@ -85,6 +85,12 @@ class Backend(KernelMethods):
         """Why this valid call is not supported here (raised as KernelNotSupportedError), or None."""
         return None
 
+    def holds_special_values(self, kernel: str) -> bool:
+        """Whether ``kernel`` computes in a floating-point format that holds the special values
+        of its dtype (±0, subnormals, ±max, ±inf, NaN), so that the conformance suite fuzzes it with
+        them (``KERNELS.md``, "Special values"); a fixed-point design does not."""
+        return True
+
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         """A tolerance other than the default table's, with its reason; None keeps the default."""
         return None

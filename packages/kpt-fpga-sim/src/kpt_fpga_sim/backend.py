@@ -143,6 +143,11 @@ class FpgaSimBackend(Backend):
         fmt = self.config.format
         return fmt if isinstance(fmt, ApFixed) and kernel not in FLOAT_ONLY else None
 
+    def holds_special_values(self, kernel: str) -> bool:
+        """A kernel that computes in a fixed-point format saturates infinities and flushes
+        subnormals: it is fuzzed with finite values of its range only."""
+        return self._fixed_format(kernel) is None
+
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         fmt = self._fixed_format(kernel)
         return None if fmt is None else fixed_tolerance(kernel, fmt)
