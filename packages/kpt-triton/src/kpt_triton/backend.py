@@ -8,6 +8,7 @@ A vendor package fills in only what differs per vendor::
         def device_status(self): ...             # (True, "") or (False, "no AMD GPU visible")
         def detect_arch(self): ...               # the arch tag of the GPU here ("gfx942")
         def interpreter_arch(self): ...          # the arch whose tuning the interpreter runs
+        torch_products = True                    # optional: linear, grouped_linear through torch
 
 and inherits the rest: the kernel list (derived from ``kpt.SPECS``: each kernel's body is
 ``kpt_triton.<family>.<kernel>_fwd``/``_bwd``, the family being the module of its spec), the
@@ -82,6 +83,10 @@ class TritonBackend(kpt.Backend):
     """Tuning tables by arch tag."""
     spills: ClassVar[Mapping[str, Mapping[str, str]]] = {}
     """Register spills accepted per arch tag: Triton kernel name -> the reason (`kpt_triton.aot`)."""
+    torch_products: ClassVar[bool] = False
+    """Run the matrix products (``linear``, ``grouped_linear``) through torch, i.e. the vendor's BLAS
+    library, instead of kpt-triton's Triton GEMMs: `kpt_triton.products` (under the interpreter too,
+    so that its bodies are what CPU tests run)."""
 
     def __init__(self, arch: str | None = None) -> None:
         self._arch = arch
@@ -122,10 +127,11 @@ class TritonBackend(kpt.Backend):
     def kernels(self) -> dict[str, kpt.Kernel]:
         native = () if interpreted() else self.native_modules()
         modules = dict.fromkeys(portable_modules().values())
+        products = (importlib.import_module("kpt_triton.products"),) if self.torch_products else ()
         return {
             name: kpt.Kernel(Tuned(k.forward, self.params),
                              Tuned(k.backward, self.params) if k.backward is not None else None)
-            for name, k in kpt.kernels_from(*modules, *native).items()
+            for name, k in kpt.kernels_from(*modules, *products, *native).items()
         }
 
     def perf_bar(self, kernel: str, mode: str) -> kpt.PerfBar:

@@ -50,14 +50,6 @@ def dot(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    """act(x) and act'(x) in float32; the pointwise family's activations plus relu."""
-    if ACTIVATION == "relu":
-        return tl.maximum(x, 0.0), tl.where(x > 0.0, 1.0, 0.0)
-    return _act(x, ACTIVATION)
-
-
-@triton.jit
 def _linear_fwd_kernel(
     X, W, BIAS, Y, PRE,  # BIAS only with HAS_BIAS; Y and PRE contiguous [M, N]
     M, N, K,
@@ -101,7 +93,7 @@ def _linear_fwd_kernel(
     out = tile_m[:, None] * N + tile_n[None, :]
     mask = (row0 + tile_m[:, None] < M) & (col0 + tile_n[None, :] < N)
     tl.store(PRE + corner + out, acc.to(PRE.dtype.element_ty), mask=mask)
-    y, _ = _activation(acc, ACTIVATION)
+    y, _ = _act(acc, ACTIVATION)
     tl.store(Y + corner + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -117,7 +109,7 @@ def _activation_bwd_kernel(
     dy = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn, mask=mask, other=0.0)
     ptrs = offs_m[:, None] * N + offs_n[None, :]
     pre = tl.load(PRE + ptrs, mask=mask, other=0.0).to(tl.float32)
-    _, grad = _activation(pre, ACTIVATION)
+    _, grad = _act(pre, ACTIVATION)
     dpre = dy.to(tl.float32) * grad
     tl.store(DPRE + ptrs, dpre.to(DPRE.dtype.element_ty), mask=mask)
 

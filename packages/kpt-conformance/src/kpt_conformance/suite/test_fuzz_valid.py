@@ -45,6 +45,8 @@ SIZES = (0, 1, 2, 3, 5, 7, 13, 16, 17, 31, 32, 33, 63, 64, 65)
 """Sizes of every dimension: empty, one, primes, powers of two and their neighbours."""
 ROW_SIZES = (*SIZES, 127, 128, 257, 1000)
 """Sizes of the dimension a row-wise kernel reduces over, up to what the interpreter runs fast."""
+BATCH = (0, 1, 2, 3)
+"""Sizes of a second leading dimension or a batch: the tensors stay within what the interpreter runs fast."""
 HEAD_DIMS = (16, 24, 32, 64)
 SPECIALS = ("zero", "subnormal", "max", "inf", "nan")
 OVERFLOWING = ("max", "inf", "nan")
@@ -70,7 +72,7 @@ class Inputs:
 
     def lead(self) -> tuple[int, ...]:
         """One or two leading dimensions (flattened into rows by the row-wise kernels)."""
-        return (self.size("rows"),) if self.choice("lead dims", (1, 2)) == 1 else (self.size("b"), self.size("rows"))
+        return (self.size("rows"),) if self.choice("lead dims", (1, 2)) == 1 else (self.size("b", BATCH), self.size("rows"))
 
     def choice(self, label: str, options: Any) -> Any:
         return self.draw(st.sampled_from(tuple(options)), label=label)
@@ -120,9 +122,9 @@ def _gated(i: Inputs) -> dict[str, Any]:
 
 
 def _rope(i: Inputs) -> dict[str, Any]:
-    b, s, d = i.size("b"), i.size("s"), 2 * i.size("half", (1, 2, 3, 8, 16, 32, 33))
+    b, s, d = i.size("b", BATCH), i.size("s"), 2 * i.size("half", (1, 2, 3, 8, 16, 32, 33))
     cs = (s, d) if i.choice("cos rank", (2, 3)) == 2 else (b, s, d)
-    return {"q": i.floats(b, i.size("hq"), s, d), "k": i.floats(b, i.size("hk"), s, d),
+    return {"q": i.floats(b, i.size("hq", BATCH), s, d), "k": i.floats(b, i.size("hk", BATCH), s, d),
             "cos": i.floats(*cs, special=False), "sin": i.floats(*cs, special=False)}
 
 
