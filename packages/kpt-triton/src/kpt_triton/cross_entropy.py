@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import cdiv, next_pow2, persistent_programs, warps
+from .tiling import cdiv, next_pow2, persistent_programs, vector, warps
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
         return
     block = min(next_pow2(v), block_v)
     _cross_entropy_kernel[(persistent_programs(n, z.device, programs_per_sm),)](
-        z, target, bias, grad, loss, lse, dz, n, v,
+        z, target, vector(bias), grad, loss, lse, dz, n, v,
         z.stride(0), z.stride(1), grad.stride(0) if grad is not None and grad.dim() else 0,
         dz.stride(0) if dz is not None else 0, ignore_index, label_smoothing,
         HAS_BIAS=bias is not None, SMOOTHING=label_smoothing > 0, COMPUTE_LSE=compute_lse,

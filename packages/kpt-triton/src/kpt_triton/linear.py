@@ -29,7 +29,7 @@ import triton.language as tl
 from kpt.spec import rows
 
 from .activations import _act
-from .tiling import cdiv
+from .tiling import cdiv, vector
 
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 """Promote dot operands to float32: set under the Triton interpreter, whose dot has no 16-bit types."""
@@ -135,7 +135,7 @@ def linear_fwd(
     pre = torch.empty(shape, dtype=x.dtype, device=x.device)
     if y.numel():
         _linear_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
-            x2, weight, bias, y, pre, M, N, K, *x2.stride(), *weight.stride(),
+            x2, weight, vector(bias), y, pre, M, N, K, *x2.stride(), *weight.stride(),
             HAS_BIAS=bias is not None, ACTIVATION=activation,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
             DOT_FP32=DOT_FP32, PRECISION=dot_precision(x.dtype, fp32_precision),
