@@ -88,7 +88,7 @@ class Backend(KernelMethods):
     def holds_special_values(self, kernel: str) -> bool:
         """Whether ``kernel`` computes in a floating-point format that holds the special values
         of its dtype (±0, subnormals, ±max, ±inf, NaN), so that the conformance suite fuzzes it with
-        them (``KERNELS.md``, "Special values"); a fixed-point design does not."""
+        them (`kpt.kernels`, "Special values"); a fixed-point design does not."""
         return True
 
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:

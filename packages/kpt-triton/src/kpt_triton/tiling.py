@@ -82,8 +82,8 @@ def load_tile(PTR, rows, cols, stride_r, stride_c, mask):
 
 
 def vector(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A vector argument (a weight, a bias) as `load_vector` reads it: contiguous, copied only where
-    it is not (an expanded or sliced one); None stays None."""
+    """A vector argument (a weight, a bias, targets) as the kernels read it: contiguous, copied only
+    where it is not (an expanded or sliced one); None stays None."""
     return None if t is None else t.contiguous()
 
 

@@ -13,7 +13,7 @@ Hypothesis draws one valid call of a kernel at a time:
 * **special values** (`SPECIALS`) written into one float input: ±0, subnormals, ±max, ±inf, NaN.
 
 The result must match the float64 oracle within the backend's tolerance, with the contract's rule
-for special values (``KERNELS.md``, "Special values"): a NaN or infinity of the inputs reaches
+for special values (`kpt.kernels`, "Special values"): a NaN or infinity of the inputs reaches
 exactly the outputs the reference math carries it to, and an output may be non-finite beyond
 that only where the reference math run at the contract's precision (float32 for the float16,
 bfloat16 and float32 inputs) overflows too, with the same value. No input may change. For calls
