@@ -151,7 +151,7 @@ def _linear(i: Inputs) -> dict[str, Any]:
 def _targets(i: Inputs, n: int, classes: int) -> torch.Tensor:
     target = i.ints(classes, n, dtype=torch.int64)
     ignored = torch.rand(n, generator=i.g) < i.choice("ignored share", (0.0, 0.3, 1.0))
-    return torch.where(ignored, -100, target)
+    return torch.where(ignored | (classes == 0), -100, target)  # no class to take: every row ignored
 
 
 def _cross_entropy(i: Inputs) -> dict[str, Any]:
