@@ -12,7 +12,7 @@ The contract (every kernel's signature, checks, reference math and cost) lives i
 
 from __future__ import annotations
 
-from .backend import CONTRACT_VERSION, Backend, PerfBar, describe_missing, kernels_from, missing_kernels
+from .backend import CONTRACT_VERSION, SPECIAL_VALUES, Backend, PerfBar, describe_missing, kernels_from, missing_kernels
 from .errors import BackendError, KernelInputError, KernelNotSupportedError
 from .hookspecs import hookimpl
 from .kernels import SPECS
@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECS", "Backend", "BackendError", "BackendInfo", "BackendList",
     "BadInput", "BadValues", "Case", "Kernel", "KernelInputError", "KernelNotSupportedError", "KernelSpec",
-    "PerfBar", "Registry", "Tolerance", "checked_values", "default_tolerance", "describe_missing", "get_backend",
-    "hookimpl", "info", "kernels_from", "list_backends", "list_kernels", "missing_kernels", "reload_backends",
+    "PerfBar", "Registry", "SPECIAL_VALUES", "Tolerance", "checked_values", "default_tolerance", "describe_missing",
+    "get_backend", "hookimpl", "info", "kernels_from", "list_backends", "list_kernels", "missing_kernels",
+    "reload_backends",
 ]

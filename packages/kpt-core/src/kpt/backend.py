@@ -32,6 +32,9 @@ from .tolerance import Tolerance
 CONTRACT_VERSION = 1
 """The version of KERNELS.md that this kpt-core implements; backends declare the one they target."""
 
+SPECIAL_VALUES: tuple[str, ...] = ("zero", "subnormal", "max", "inf", "nan")
+"""The kinds of special values of a floating-point input: ±0, subnormals, ±max of the dtype, ±inf, NaN."""
+
 
 @dataclass(frozen=True)
 class PerfBar:
@@ -85,11 +88,11 @@ class Backend(KernelMethods):
         """Why this valid call is not supported here (raised as KernelNotSupportedError), or None."""
         return None
 
-    def holds_special_values(self, kernel: str) -> bool:
-        """Whether ``kernel`` computes in a floating-point format that holds the special values
-        of its dtype (±0, subnormals, ±max, ±inf, NaN), so that the conformance suite fuzzes it with
-        them (`kpt.kernels`, "Special values"); a fixed-point design does not."""
-        return True
+    def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
+        """The kinds of `SPECIAL_VALUES` that ``kernel`` takes in ``dtype`` as the contract says
+        (`kpt.kernels`, "Special values"): the conformance suite fuzzes it with those. A format
+        without them (a fixed-point design) takes none; a documented limitation leaves one out."""
+        return SPECIAL_VALUES
 
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         """A tolerance other than the default table's, with its reason; None keeps the default."""

@@ -42,6 +42,15 @@ def _scale_of(amax, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _inverse_scale(scale):
+    """``(p, 1 / (p · scale))``, p = 2^64 where 1 / scale would overflow float32 (a scale below
+    2^-128, from an amax of subnormals), else 1: x / scale is then (x · p) · (1 / (p · scale)),
+    the product by p exact."""
+    p = tl.where(scale < 1.0e-30, 18446744073709551616.0, 1.0)
+    return p, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale * p)
+
+
+@triton.jit
 def _nan_max(a, axis):
     """The maximum of ``a`` along ``axis``, NaN where any element is NaN (as torch.amax: a GPU's
     maximum instruction, which tl.max uses, drops NaN)."""
@@ -127,14 +136,14 @@ def _quantize_rows_kernel(
         amax = tl.maximum(amax, _nan_max(tl.abs(x), 1), propagate_nan=tl.PropagateNan.ALL)
     scale = _scale_of(amax, FP8_MAX)
     tl.store(SCALE + rows, scale, mask=row_ok)
-    inv_scale = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), scale)
+    pre, inv_scale = _inverse_scale(scale)
     for c in range(0, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
         if c == 0:
             x = x0
         else:
             x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-        xq = _encode(x, inv_scale[:, None], FP8_MAX, MBITS, EMIN, NATIVE)
+        xq = _encode(x * pre[:, None], inv_scale[:, None], FP8_MAX, MBITS, EMIN, NATIVE)
         tl.store(XQ + rows[:, None] * D + c + cols[None, :], xq, mask=mask)
 
 
@@ -174,8 +183,8 @@ def _quantize_tensor_kernel(
     if pid == 0:
         tl.store(SCALE, scale)
     rows, cols, mask = tile_of(pid, R, D, BLOCK_R, BLOCK_D)
-    inv_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
-    xq = _encode(load_tile(X, rows, cols, stride_xr, stride_xc, mask), inv_scale, FP8_MAX, MBITS, EMIN, NATIVE)
+    pre, inv_scale = _inverse_scale(scale)
+    xq = _encode(load_tile(X, rows, cols, stride_xr, stride_xc, mask) * pre, inv_scale, FP8_MAX, MBITS, EMIN, NATIVE)
     tl.store(XQ + rows[:, None] * D + cols[None, :], xq, mask=mask)
 
 

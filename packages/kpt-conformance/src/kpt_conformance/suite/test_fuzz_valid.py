@@ -10,7 +10,8 @@ Hypothesis draws one valid call of a kernel at a time:
   dimension: every row the same; float tensors only, index values stay as drawn);
 * **dtypes**: each of the backend's, and the optional arguments' choices (a float32 norm weight
   beside bfloat16 activations, a bias or none, every enum value);
-* **special values** (`SPECIALS`) written into one float input: ±0, subnormals, ±max, ±inf, NaN.
+* **special values** (`kpt.SPECIAL_VALUES`, those `kpt.Backend.special_values` takes) written into one
+  float input: ±0, subnormals, ±max, ±inf, NaN.
 
 The result must match the float64 oracle within the backend's tolerance, with the contract's rule
 for special values (`kpt.kernels`, "Special values"): a NaN or infinity of the inputs reaches
@@ -47,7 +48,6 @@ ROW_SIZES = (*SIZES, 127, 128, 257, 1000)
 BATCH = (0, 1, 2, 3)
 """Sizes of a second leading dimension or a batch: the tensors stay within what the interpreter runs fast."""
 HEAD_DIMS = (16, 24, 32, 64)
-SPECIALS = ("zero", "subnormal", "max", "inf", "nan")
 OVERFLOWING = ("max", "inf", "nan")
 """Special values with which float32 arithmetic may overflow where float64 does not (`_expected`)."""
 LAYOUTS = ("contiguous", "transposed", "sliced", "offset", "expanded")
@@ -278,12 +278,12 @@ def _layout(t: torch.Tensor, layout: str, device: torch.device) -> torch.Tensor:
 
 
 @st.composite
-def valid_calls(draw: Any, spec: kpt.KernelSpec, dtypes: tuple[torch.dtype, ...], specials: bool) -> tuple:
+def valid_calls(draw: Any, spec: kpt.KernelSpec, dtypes: tuple[torch.dtype, ...], backend: kpt.Backend) -> tuple:
     """(dtype, special value or None, layouts, CPU arguments) of one valid call of ``spec``."""
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     inputs = Inputs(draw, dtype)
     args = BUILDERS[spec.name](inputs)
-    special = draw(st.sampled_from((None, None, *SPECIALS)), label="special values") if specials else None
+    special = draw(st.sampled_from((None, None, *backend.special_values(spec.name, dtype))), label="special values")
     if special is not None and inputs.special_targets:
         target = draw(st.sampled_from(range(len(inputs.special_targets))), label="special values' input")
         _write_special(inputs.special_targets[target], special, inputs.g)
@@ -347,9 +347,8 @@ def test_valid_calls_match_the_oracle(request: pytest.FixtureRequest, backend: k
                                       device: torch.device, spec: kpt.KernelSpec, record_property) -> None:
     record_property("kpt", {"kernel": spec.name, "kind": "forward", "case": "fuzzed valid calls"})
     config = request.config
-    specials = backend.holds_special_values(spec.name)
     run = settings(max_examples=config.getoption("--kpt-fuzz-valid-examples"), deadline=None, database=None,
                    print_blob=True, phases=PHASES, suppress_health_check=list(HealthCheck))(
-        given(call=valid_calls(spec, config.kpt_dtypes, specials), grad_seed=st.integers(0, 2**31 - 1))(
+        given(call=valid_calls(spec, config.kpt_dtypes, backend), grad_seed=st.integers(0, 2**31 - 1))(
             lambda call, grad_seed: _check(backend, spec, device, call, grad_seed)))
     seed(config.kpt_seed(request.node.nodeid))(run)()

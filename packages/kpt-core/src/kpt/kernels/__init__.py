@@ -23,7 +23,7 @@ is its reference math's (the float64 oracle), with these rules where that math i
 
 The conformance suite fuzzes every kernel with such values against the oracle by these rules
 (``test_fuzz_valid.py``); a backend whose number format has no special values (a fixed-point
-design) says so in `kpt.Backend.holds_special_values` and is fuzzed with finite values only.
+design) says so in `kpt.Backend.special_values` and is fuzzed with finite values only.
 """
 
 from __future__ import annotations
