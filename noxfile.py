@@ -106,14 +106,15 @@ def newest(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def fuzz(session: nox.Session) -> None:
-    """A larger budget of fuzzed invalid calls than CI's (``-- N`` examples per kernel, default
-    2000) on the reference and the cuda backend (through the interpreter on a CPU machine)."""
-    examples = session.posargs[0] if session.posargs else "2000"
-    for profile in ("reference", CUDA_PROFILE):
+    """A larger budget of fuzzed calls than CI's: ``-- N M`` invalid calls (default 2000) and valid
+    calls against the oracle (default 200) per kernel, on the reference, cuda, rocm and fpga-sim
+    backends (the Triton ones through the interpreter on a CPU machine)."""
+    invalid, valid = (*session.posargs, *("2000", "200")[len(session.posargs):])[:2]
+    for profile in ("reference", CUDA_PROFILE, ROCM_PROFILE, "fpga-sim"):
         backend, packages, extra, env = PROFILES[profile]
         _install(session, *packages, extra=extra)
         session.run("kpt", "check", "--backend", backend, "--report", f"reports/fuzz-{profile}", "--",
-                    "-k", "fuzz", "--kpt-fuzz-examples", examples, env=env)
+                    "-k", "fuzz", "--kpt-fuzz-examples", invalid, "--kpt-fuzz-valid-examples", valid, env=env)
 
 
 @nox.session
