@@ -16,11 +16,13 @@ from kpt_triton.activations import activation_fwd
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
-@pytest.mark.parametrize("shape", [((2, 17, 40), 33, "same"), ((5, 0), 8, "float32"), ((0, 16), 8, None)],
-                         ids=["odd", "zero_k", "zero_rows"])
-def test_linear(dtype, activation, shape):
-    x_shape, n, bias = shape
+SHAPES = {"odd": ((2, 17, 40), 33, "same"), "zero_k": ((5, 0), 8, "float32"), "zero_rows": ((0, 16), 8, None)}
+LINEAR = [*(("odd", a) for a in ACTIVATIONS), ("zero_k", "relu"), ("zero_rows", None)]
+
+
+@pytest.mark.parametrize("shape, activation", LINEAR, ids=[f"{s}-{a}" for s, a in LINEAR])
+def test_linear(dtype, shape, activation):
+    x_shape, n, bias = SHAPES[shape]
     g = torch.Generator().manual_seed(hash((activation, str(dtype), x_shape)) % 2**31)
     k = x_shape[-1]
     args = {"x": strided(randn(g, *x_shape, dtype=dtype)),
