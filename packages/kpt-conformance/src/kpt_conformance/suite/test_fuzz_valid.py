@@ -39,7 +39,17 @@ from hypothesis import strategies as st
 import kpt
 from kpt.ops import as_tuple
 from kpt.spec import transposed
-from kpt.testing import check_backward, compare, modified, oracle_backend, poisoned, snapshot, to_oracle, tolerance_for
+from kpt.testing import (
+    check_backward,
+    compare,
+    eager_widened,
+    modified,
+    oracle_backend,
+    poisoned,
+    snapshot,
+    to_oracle,
+    tolerance_for,
+)
 
 SIZES = (0, 1, 2, 3, 5, 7, 13, 16, 17, 31, 32, 33, 63, 64, 65)
 """Sizes of every dimension: empty, one, primes, powers of two and their neighbours."""
@@ -52,6 +62,11 @@ OVERFLOWING = ("max", "inf", "nan")
 """Special values with which float32 arithmetic may overflow where float64 does not (`_expected`)."""
 LAYOUTS = ("contiguous", "transposed", "sliced", "offset", "expanded")
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+EAGER_FACTOR = 2.0
+"""Random shapes and scales make some draws ill-conditioned (attention's softmax made sharp by a
+scale of 1, a long cancelling sum): every call also passes within this many times the error of the
+reference math run in the dtype under test, as the contract's ill-conditioned cases do
+(`kpt.Case.eager_factor`, `kpt.testing.eager_widened`)."""
 PHASES = (Phase.explicit, Phase.generate)
 """No shrinking: on a simulator each call takes seconds and a shrink hundreds of them; the failing
 call is printed in full (and replays with the run's seed) instead."""
@@ -279,7 +294,8 @@ def _layout(t: torch.Tensor, layout: str, device: torch.device) -> torch.Tensor:
 
 @st.composite
 def valid_calls(draw: Any, spec: kpt.KernelSpec, dtypes: tuple[torch.dtype, ...], backend: kpt.Backend) -> tuple:
-    """(dtype, special value or None, layouts, CPU arguments) of one valid call of ``spec``."""
+    """(dtype, special value or None, layouts, CPU arguments, seed of the output gradients) of one
+    valid call of ``spec``."""
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     inputs = Inputs(draw, dtype)
     args = BUILDERS[spec.name](inputs)
@@ -289,7 +305,9 @@ def valid_calls(draw: Any, spec: kpt.KernelSpec, dtypes: tuple[torch.dtype, ...]
         _write_special(inputs.special_targets[target], special, inputs.g)
     layouts = {name: draw(st.sampled_from(LAYOUTS), label=f"layout of {name}")
                for name, v in args.items() if isinstance(v, torch.Tensor)}
-    return dtype, special, layouts, args
+    # the gradients' seed continues the inputs' generator: a seed hypothesis drew twice would make
+    # the upstream gradient equal to an input (dy = x: layer_norm's dx cancels to nothing)
+    return dtype, special, layouts, args, int(torch.randint(2**31, (), generator=inputs.g))
 
 
 def _describe(spec: kpt.KernelSpec, dtype: torch.dtype, special: str | None, args: dict) -> str:
@@ -310,9 +328,8 @@ def _expected(out: torch.Tensor, ref: torch.Tensor, low: torch.Tensor) -> torch.
     return torch.where(same, o, torch.where(nearer, low, ref))
 
 
-def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, call: tuple,
-           grad_seed: int) -> None:
-    dtype, special, layouts, cpu_args = call
+def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, call: tuple, backward: bool) -> None:
+    dtype, special, layouts, cpu_args, grad_seed = call
     args = {k: _layout(v, layouts[k], device) if isinstance(v, torch.Tensor) else v for k, v in cpu_args.items()}
     note(_describe(spec, dtype, special, args))
     before = snapshot(args)
@@ -333,11 +350,12 @@ def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, cal
         if special in OVERFLOWING and out.is_floating_point() and ref.is_floating_point():
             ref = _expected(out, ref, low)
         tol = tolerance_for(backend, spec.name, dtype, out, 1.0, args, name)
-        comparison = compare(name, out, ref, tol)
+        comparison = compare(name, out, ref, eager_widened(tol, name, low.to(out.device), ref, EAGER_FACTOR))
         if not comparison.ok:
             problems.append(comparison.message)
-    if outs and special is None and spec.differentiable and not problems:
-        report = check_backward(backend, spec, args, dtype, torch.Generator().manual_seed(grad_seed))
+    if outs and special is None and backward and not problems:
+        report = check_backward(backend, spec, args, dtype, torch.Generator().manual_seed(grad_seed),
+                                eager_factor=EAGER_FACTOR)
         problems += [f"backward: {report.message}"] if not report.ok else []
     assert not problems, f"{_describe(spec, dtype, special, args)}: {'; '.join(problems)}"
 
@@ -347,8 +365,11 @@ def test_valid_calls_match_the_oracle(request: pytest.FixtureRequest, backend: k
                                       device: torch.device, spec: kpt.KernelSpec, record_property) -> None:
     record_property("kpt", {"kernel": spec.name, "kind": "forward", "case": "fuzzed valid calls"})
     config = request.config
+    # gradients too where the kernel has them and the backend its backward (a missing one is its
+    # presence test's failure, not this test's)
+    backward = bool(spec.differentiable) and "backward" not in config.kpt_missing.get(spec.name, ())
     run = settings(max_examples=config.getoption("--kpt-fuzz-valid-examples"), deadline=None, database=None,
                    print_blob=True, phases=PHASES, suppress_health_check=list(HealthCheck))(
-        given(call=valid_calls(spec, config.kpt_dtypes, backend), grad_seed=st.integers(0, 2**31 - 1))(
-            lambda call, grad_seed: _check(backend, spec, device, call, grad_seed)))
+        given(call=valid_calls(spec, config.kpt_dtypes, backend))(
+            lambda call: _check(backend, spec, device, call, backward)))
     seed(config.kpt_seed(request.node.nodeid))(run)()
