@@ -8,14 +8,17 @@ recorded with the reason and skipped; the others load. Set ``KPT_STRICT_PLUGINS=
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import pluggy
+import torch
 
 from . import hookspecs, reference
 from .backend import CONTRACT_VERSION, Backend, describe_missing, missing_kernels
@@ -72,6 +75,7 @@ class Registry:
         self.backends: dict[str, Backend] = {}
         self._seen: dict[str, Backend] = {}
         self.infos: dict[str, BackendInfo] = {}
+        self._by_device: dict[str, Backend] = {}
         self._plugins = pluggy.PluginManager(hookspecs.PROJECT)
         self._plugins.add_hookspecs(hookspecs)
         self._add_plugin("reference", lambda: reference)
@@ -149,6 +153,23 @@ class Registry:
             raise BackendError(f"kpt backend {name!r}{source} is not available here: {info.reason}")
         return self._bound(self.backends[name])
 
+    def for_device(self, device: torch.device) -> Backend:
+        """The highest-priority usable backend (simulators excluded) whose tensors live on
+        ``device``'s type; ``reference`` for CPU tensors when no other backend claims the CPU.
+        Remembered per device type (the layers of a model ask at every call)."""
+        if device.type in self._by_device:
+            return self._by_device[device.type]
+        for i in self.list():
+            backend = self.backends.get(i.name)
+            if backend is not None and i.available and not i.simulator and backend.device().type == device.type:
+                self._by_device[device.type] = self._bound(backend)
+                return backend
+        if device.type == "cpu":
+            self._by_device["cpu"] = self._bound(self.backends["reference"])
+            return self._by_device["cpu"]
+        raise BackendError(f"no usable kpt backend for {device.type} tensors; installed: "
+                           f"{', '.join(sorted(self.infos))} (kpt info says why each can or cannot run here)")
+
     @staticmethod
     def _bound(backend: Backend) -> Backend:
         backend.bind()
@@ -172,15 +193,43 @@ def reload_backends(strict: bool | None = None) -> Registry:
     return _registry
 
 
+_pinned: contextvars.ContextVar[str | None] = contextvars.ContextVar("kpt_pinned_backend", default=None)
+
+
 def get_backend(name: str | None = None) -> Backend:
     """The backend to run kernels on.
 
-    ``name`` if given, else the ``KPT_BACKEND`` environment variable, else the highest-priority
-    backend available on this machine (simulators excluded), else ``reference``.
+    ``name`` if given, else the one `use_backend` pins, else the ``KPT_BACKEND`` environment
+    variable, else the highest-priority backend available on this machine (simulators excluded),
+    else ``reference``.
     Raises `kpt.BackendError` for an unknown name (listing the registered ones) or a backend
     that cannot run here (saying why).
     """
-    return registry().get(name)
+    return registry().get(name if name is not None else _pinned.get())
+
+
+def backend_for(device: torch.device | str) -> Backend:
+    """The backend for tensors on ``device`` (what the `kpt.nn` layers call): the one
+    `use_backend` pins, else ``KPT_BACKEND``, else the highest-priority usable backend of that
+    device type (a model on ``cuda`` gets the cuda backend, the same model on the CPU the
+    reference backend). Raises `kpt.BackendError` when no installed backend runs there."""
+    name = _pinned.get() or os.environ.get("KPT_BACKEND") or None
+    if name is not None:
+        return registry().get(name)
+    return registry().for_device(torch.device(device))
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[Backend]:
+    """``with kpt.use_backend("fpga-sim"):`` pins one backend for `get_backend` and every
+    `kpt.nn` layer inside the block (this thread or task only); yields it. The name is checked
+    on entry (`kpt.BackendError` for an unknown or unusable backend)."""
+    backend = registry().get(name)
+    token = _pinned.set(name)
+    try:
+        yield backend
+    finally:
+        _pinned.reset(token)
 
 
 def list_backends() -> BackendList:
