@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot usage newest  # what CI runs
+    nox -s lint tests conformance example aot usage newest models  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -175,6 +175,16 @@ def usage(session: nox.Session) -> None:
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
+
+
+@nox.session
+def models(session: nox.Session) -> None:
+    """`kpt.patch` on tiny random-initialised transformers models of every supported family:
+    patched and unpatched forward, loss, gradients and a training step agree, on the reference
+    backend and on the cuda backend (through Triton's interpreter on a CPU machine); the auto
+    loader and the transformers Trainer on a patched model."""
+    _install(session, "kpt-triton", "kpt-cuda", extra=("numpy", "transformers", "accelerate"))
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", *session.posargs, env=CUDA_ENV)
 
 
 @nox.session
