@@ -182,8 +182,8 @@ def models(session: nox.Session) -> None:
     """`kpt.patch` on tiny random-initialised transformers models of every supported family:
     patched and unpatched forward, loss, gradients and a training step agree, on the reference
     backend and on the cuda backend (through Triton's interpreter on a CPU machine); the auto
-    loader and the transformers Trainer on a patched model."""
-    _install(session, "kpt-triton", "kpt-cuda", extra=("numpy", "transformers", "accelerate"))
+    loader and the transformers Trainer on a patched model; scripts/train_llama.py --tiny."""
+    _install(session, "kpt-triton", "kpt-cuda", "kpt-fpga-sim", extra=("numpy", "transformers", "accelerate", "matplotlib"))
     session.run("pytest", "-q", "-p", "no:cacheprovider", "models", *session.posargs, env=CUDA_ENV)
 
 

@@ -193,7 +193,7 @@ def reload_backends(strict: bool | None = None) -> Registry:
     return _registry
 
 
-_pinned: contextvars.ContextVar[str | None] = contextvars.ContextVar("kpt_pinned_backend", default=None)
+_pinned: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("kpt_pinned_backend", default=None)
 
 
 def get_backend(name: str | None = None) -> Backend:
@@ -205,7 +205,8 @@ def get_backend(name: str | None = None) -> Backend:
     Raises `kpt.BackendError` for an unknown name (listing the registered ones) or a backend
     that cannot run here (saying why).
     """
-    return registry().get(name if name is not None else _pinned.get())
+    pinned = _pinned.get()
+    return pinned if name is None and pinned is not None else registry().get(name)
 
 
 def backend_for(device: torch.device | str) -> Backend:
@@ -213,19 +214,25 @@ def backend_for(device: torch.device | str) -> Backend:
     `use_backend` pins, else ``KPT_BACKEND``, else the highest-priority usable backend of that
     device type (a model on ``cuda`` gets the cuda backend, the same model on the CPU the
     reference backend). Raises `kpt.BackendError` when no installed backend runs there."""
-    name = _pinned.get() or os.environ.get("KPT_BACKEND") or None
-    if name is not None:
-        return registry().get(name)
+    pinned = _pinned.get()
+    if pinned is not None:
+        return pinned
+    if os.environ.get("KPT_BACKEND"):
+        return registry().get()
     return registry().for_device(torch.device(device))
 
 
 @contextlib.contextmanager
-def use_backend(name: str) -> Iterator[Backend]:
-    """``with kpt.use_backend("fpga-sim"):`` pins one backend for `get_backend` and every
-    `kpt.nn` layer inside the block (this thread or task only); yields it. The name is checked
-    on entry (`kpt.BackendError` for an unknown or unusable backend)."""
-    backend = registry().get(name)
-    token = _pinned.set(name)
+def use_backend(backend: str | Backend) -> Iterator[Backend]:
+    """``with kpt.use_backend("fpga-sim"):`` pins one backend (by name, or a backend object such
+    as a configured simulator) for `get_backend` and every `kpt.nn` layer inside the block (this
+    thread or task only); yields it. A name is checked on entry (`kpt.BackendError` for an
+    unknown or unusable backend)."""
+    if isinstance(backend, str):
+        backend = registry().get(backend)
+    else:
+        backend.bind()
+    token = _pinned.set(backend)
     try:
         yield backend
     finally:
