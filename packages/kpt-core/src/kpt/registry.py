@@ -47,14 +47,19 @@ class BackendInfo:
 class BackendList(list[BackendInfo]):
     """What `list_backends` returns: a list of `BackendInfo` that prints as a table."""
 
-    def table(self) -> str:
-        """One row per backend: who makes it, its device, its priority, and whether it can be
-        used here (a simulator only when named), else why not."""
+    def rows(self) -> list[tuple[str, ...]]:
+        """The header, then one row of strings per backend (what `table` aligns)."""
         rows = [("backend", "vendor", "device", "priority", "usable", "why not")]
         for i in self:
             usable = ("yes, when named (simulator)" if i.simulator else "yes") if i.available else "no"
             why = i.reason + (f" ({i.error})" if i.error else "")
             rows.append((i.name, i.vendor, i.device_type, str(i.priority), usable, why))
+        return rows
+
+    def table(self) -> str:
+        """One row per backend: who makes it, its device, its priority, and whether it can be
+        used here (a simulator only when named), else why not."""
+        rows = self.rows()
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
         return "\n".join("  ".join([*(v.ljust(w) for v, w in zip(row, widths)), row[-1]]).rstrip() for row in rows)
 
