@@ -64,8 +64,9 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's unit tests on the CPU (Triton kernels through the interpreter)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy",), editable=True)
+    """Every package's unit tests on the CPU (Triton kernels through the interpreter), with the
+    optional rich of kpt-core[cli] (its plain fallback is tested by hiding it)."""
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "rich"), editable=True)
     # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton)
     for package in PACKAGES:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
@@ -183,7 +184,8 @@ def models(session: nox.Session) -> None:
     patched and unpatched forward, loss, gradients and a training step agree, on the reference
     backend and on the cuda backend (through Triton's interpreter on a CPU machine); the auto
     loader and the transformers Trainer on a patched model; scripts/train_llama.py --tiny."""
-    _install(session, "kpt-triton", "kpt-cuda", "kpt-fpga-sim", extra=("numpy", "transformers", "accelerate", "matplotlib"))
+    _install(session, "kpt-triton", "kpt-cuda", "kpt-fpga-sim",
+             extra=("numpy", "transformers", "accelerate", "matplotlib"))
     session.run("pytest", "-q", "-p", "no:cacheprovider", "models", *session.posargs, env=CUDA_ENV)
 
 

@@ -79,7 +79,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" or not args.tiny else torch.float32
     model = build(args.mode, shape, device, dtype)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
     data = corpus(shape["vocab_size"], seq, batch * args.steps, args.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=1234, help="seed of the synthetic corpus")
-    p.add_argument("--tiny", action="store_true", help="a tiny model and batch (float32 on a CPU): the path, not the numbers")
+    p.add_argument("--tiny", action="store_true",
+                   help="a tiny model and batch (float32 on a CPU): the path, not the numbers")
     p.add_argument("--fpga", action="store_true", help="forward on the fpga-sim backend with a U280 latency estimate")
     p.add_argument("--fpga-seq", type=int, default=32, help="sequence length of the --fpga forward")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="overlay the loss curves of these runs into --out (a PNG)")
