@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -93,7 +94,7 @@ class GatedMLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise KernelNotSupportedError(f"kpt.nn.GatedMLP: activation {activation!r} has no fused kernel; "
                                           f"expected one of {', '.join(ACTIVATIONS)}")
-        kw = {"bias": bias, "device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"bias": bias, "device": device, "dtype": dtype}
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
@@ -116,6 +117,8 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding, rotate-half convention: angles ``position · base^(-2i/D)``.
     ``cos_sin(positions)`` gives the tables (as ``LlamaRotaryEmbedding`` does);
     ``forward(q, k, positions)`` rotates q ``[B, Hq, S, D]`` and k ``[B, Hk, S, D]``."""
+
+    inv_freq: Tensor
 
     def __init__(self, head_dim: int, base: float = 10000.0, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -173,7 +176,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim or hidden_size // num_heads
         self.causal = causal
         self.layer = layer
-        kw = {"bias": bias, "device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"bias": bias, "device": device, "dtype": dtype}
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, **kw)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, **kw)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, **kw)
@@ -259,7 +262,7 @@ class Experts(nn.Module):
         if activation not in ACTIVATIONS:
             raise KernelNotSupportedError(f"kpt.nn.Experts: activation {activation!r} has no fused kernel; "
                                           f"expected one of {', '.join(ACTIVATIONS)}")
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
         nn.init.normal_(self.gate_up_proj, std=hidden_size**-0.5)

@@ -96,14 +96,14 @@ def _override(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], Ca
     return apply
 
 
-def _norm(module: nn.Module, unit_offset: bool) -> nn.Module:
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+def _norm(module: Any, unit_offset: bool) -> nn.Module:
+    eps: Any = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     norm = knn.RMSNorm(module.weight.shape[0], float(eps), unit_offset, device="meta")
     norm.weight = module.weight
     return norm
 
 
-def _attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+def _attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
                        attention_mask: Tensor | None = None, past_key_values: Any = None,
                        **kwargs: Any) -> tuple[Tensor, None]:
     """A transformers attention module's forward on kpt: projections, optional q/k norms, rope,
@@ -130,17 +130,17 @@ def _attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddin
     return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
 
 
-def _router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return knn.route(hidden_states.reshape(-1, self.hidden_dim), self.weight, self.top_k,
                      getattr(self, "norm_topk_prob", True))
 
 
-def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+def _experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     return knn.run_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                            ACTIVATION_OF[type(self.act_fn).__name__])
 
 
-def _loss_forward(self: nn.Module, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+def _loss_forward(self: Any, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                   position_ids: Tensor | None = None, past_key_values: Any = None,
                   inputs_embeds: Tensor | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
                   logits_to_keep: int | Tensor = 0, **kwargs: Any) -> Any:
@@ -168,7 +168,7 @@ def _loss_forward(self: nn.Module, input_ids: Tensor | None = None, attention_ma
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-def _plan(model: nn.Module, attention: bool, loss: bool) -> _Plan:
+def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
@@ -179,7 +179,7 @@ def _plan(model: nn.Module, attention: bool, loss: bool) -> _Plan:
     unit_offset = model_type in UNIT_OFFSET_NORMS
     for name, module in model.named_modules():
         parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if name else None
+        parent: Any = model.get_submodule(parent_name) if name else None
         kind = type(module).__name__
         if kind.endswith("RMSNorm") and parent is not None:
             plan.swap("RMSNorm -> kpt.nn.RMSNorm" + (" (1 + weight)" if unit_offset else ""),
@@ -214,7 +214,7 @@ def _plan(model: nn.Module, attention: bool, loss: bool) -> _Plan:
     return plan
 
 
-def _attention_unsupported(module: nn.Module, config: Any, wanted: bool) -> str | None:
+def _attention_unsupported(module: Any, config: Any, wanted: bool) -> str | None:
     if not wanted:
         return "not asked for (attention=False)"
     if getattr(module, "attn_logit_softcapping", None) is not None:
@@ -239,7 +239,7 @@ def _loss_unsupported(config: Any, wanted: bool) -> str | None:
     return None
 
 
-def patch(model: nn.Module, *, attention: bool = True, loss: bool = True) -> PatchSummary:
+def patch(model: Any, *, attention: bool = True, loss: bool = True) -> PatchSummary:
     """Patch a transformers causal LM in place to run on kpt's kernels (see the module docstring);
     returns the `PatchSummary`, also kept as ``model.kpt_summary``. ``attention=False`` or
     ``loss=False`` leave those. Raises `kpt.KernelNotSupportedError` for an architecture it does
@@ -261,7 +261,7 @@ def patch(model: nn.Module, *, attention: bool = True, loss: bool = True) -> Pat
     return plan.summary
 
 
-def unpatch(model: nn.Module) -> None:
+def unpatch(model: Any) -> None:
     """Undo `patch`: the model's own modules and forwards again (the parameters were never copied)."""
     undo = getattr(model, "_kpt_undo", None)
     if undo is None:

@@ -49,7 +49,7 @@ class BackendList(list[BackendInfo]):
 
     def rows(self) -> list[tuple[str, ...]]:
         """The header, then one row of strings per backend (what `table` aligns)."""
-        rows = [("backend", "vendor", "device", "priority", "usable", "why not")]
+        rows: list[tuple[str, ...]] = [("backend", "vendor", "device", "priority", "usable", "why not")]
         for i in self:
             usable = ("yes, when named (simulator)" if i.simulator else "yes") if i.available else "no"
             why = i.reason + (f" ({i.error})" if i.error else "")
