@@ -68,7 +68,8 @@ def test_layer_norm_loads_torch_layer_norm_and_agrees() -> None:
         kpt.nn.LayerNorm((4, 40))
 
 
-@pytest.mark.parametrize(("activation", "act"), [("silu", F.silu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
+@pytest.mark.parametrize(("activation", "act"),
+                         [("silu", F.silu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
 def test_gated_mlp(activation: str, act) -> None:
     torch.manual_seed(0)
     mlp = kpt.nn.GatedMLP(32, 64, activation)
