@@ -171,8 +171,9 @@ def aot(session: nox.Session) -> None:
 def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
-    Python snippets; mypy over a user's first script (tests/)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy"))
+    Python snippets (transformers installed for the one that patches a model); mypy over a user's
+    first script (tests/)."""
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy", "transformers"))
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
