@@ -29,6 +29,7 @@ CONFIGS = {
 TOL = kpt.default_tolerance(torch.float32)
 # what each family keeps as transformers has it: the reasons are the summary's (checked below)
 LEFT = {"gemma2": {"Gemma2Attention (rotary + attention)", "loss"}}
+ATTENTION = (True, False)  # kpt's attention kernel, or transformers' attention around kpt's rope
 
 
 def tiny(family: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -59,8 +60,27 @@ def test_patched_agrees_with_transformers(family: str, backend: str) -> None:
     hf = tiny(family)
     patched = copy.deepcopy(hf)
     summary = kpt.patch(patched)
-    assert set(summary.left) == LEFT.get(family, set()), summary.table()
-    assert summary.swapped, summary.table()
+    assert set(summary.left) == LEFT.get(family, set()) and summary.swapped, summary.table()
+    agrees(hf, patched, backend)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "qwen2_moe"])
+def test_rotary_only_patch_agrees_and_takes_padding(family: str) -> None:
+    hf = tiny(family)
+    patched = copy.deepcopy(hf)
+    summary = kpt.patch(patched, attention=False)
+    assert any("rotary on kpt" in kind for kind in summary.swapped), summary.table()
+    assert not any("rotary + attention" in kind for kind in summary.swapped), summary.table()
+    agrees(hf, patched, "reference")
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 7))
+    mask = torch.ones_like(tokens)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        close(patched(tokens, attention_mask=mask).logits, hf(tokens, attention_mask=mask).logits, "padded logits")
+
+
+def agrees(hf: torch.nn.Module, patched: torch.nn.Module, backend: str) -> None:
+    """`step` on both (the patched model on ``backend``): everything agrees within float32's tolerance."""
     tokens = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
     logits, loss, grads = step(hf, tokens)
     with kpt.use_backend(backend):

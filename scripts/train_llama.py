@@ -4,6 +4,7 @@ Liger-Kernel's patch, or with kpt.patch, and compare loss, tokens/s and peak mem
     python scripts/train_llama.py --mode hf    --steps 300 --out results/hf.json
     python scripts/train_llama.py --mode liger --steps 300 --out results/liger.json
     python scripts/train_llama.py --mode kpt   --steps 300 --out results/kpt.json
+    python scripts/train_llama.py --mode kpt   --kpt-attention sdpa --steps 300 --out results/kpt-sdpa.json
     python scripts/train_llama.py --plot results/hf.json results/liger.json results/kpt.json --out loss.png
     python scripts/train_llama.py --fpga --out results/fpga.json    # forward on fpga-sim, U280 estimate
     python scripts/train_llama.py --tiny --mode kpt --steps 3       # the whole path on a CPU in seconds
@@ -46,7 +47,8 @@ def corpus(vocab: int, seq: int, rows: int, seed: int) -> torch.Tensor:
     return phrases[picks].view(rows, -1)[:, :seq].contiguous()
 
 
-def build(mode: str, shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> Any:
+def build(mode: str, shape: dict[str, int], device: torch.device, dtype: torch.dtype,
+          kpt_attention: bool = True) -> Any:
     config = transformers.LlamaConfig(**shape, attn_implementation="sdpa", tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
@@ -55,7 +57,7 @@ def build(mode: str, shape: dict[str, int], device: torch.device, dtype: torch.d
 
         apply_liger_kernel_to_llama(model=model)
     elif mode == "kpt":
-        print(kpt.patch(model))
+        print(kpt.patch(model, attention=kpt_attention))
     return model
 
 
@@ -77,7 +79,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     shape = TINY if args.tiny else FULL
     seq, batch = (64, 2) if args.tiny else (args.seq, args.batch)
     dtype = torch.bfloat16 if device.type == "cuda" or not args.tiny else torch.float32
-    model = build(args.mode, shape, device, dtype)
+    model = build(args.mode, shape, device, dtype, args.kpt_attention == "kernel")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
@@ -98,7 +100,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         print(f"step {step:4d}  loss {losses[-1]:.4f}  {batch * seq / times[-1]:,.0f} tokens/s", flush=True)
     timed = times[args.warmup:] or times
     return {
-        "mode": args.mode, "tiny": args.tiny, "steps": args.steps, "warmup": args.warmup, "batch": batch,
+        "mode": args.mode if args.mode != "kpt" or args.kpt_attention == "kernel" else "kpt (sdpa attention)",
+        "tiny": args.tiny, "steps": args.steps, "warmup": args.warmup, "batch": batch,
         "seq": seq, "dtype": str(dtype).removeprefix("torch."), "model": shape,
         "parameters": sum(p.numel() for p in model.parameters()),
         "loss": losses, "tokens_per_s": batch * seq * len(timed) / sum(timed),
@@ -162,6 +165,8 @@ def plot(paths: list[str], out: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("hf", "liger", "kpt"), default="kpt")
+    p.add_argument("--kpt-attention", choices=("kernel", "sdpa"), default="kernel",
+                   help="--mode kpt: kpt's attention kernel, or transformers' sdpa around kpt's rope")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s")
     p.add_argument("--batch", type=int, default=8)

@@ -16,7 +16,8 @@ built for an implementation other than ``sdpa``; a loss after logit soft-capping
 router's auxiliary loss. At run time a patched attention takes causal (or, for a bidirectional
 module, unmasked) attention with any KV cache; a call with an explicit mask (padding, or a
 sliding window shorter than the sequence) raises `kpt.KernelNotSupportedError`, never a silent
-other computation. With labels, a patched model returns the loss of the fused
+other computation. ``kpt.patch(model, attention=False)`` keeps transformers' attention (and its
+masks) around kpt's rope: for padded batches. With labels, a patched model returns the loss of the fused
 ``linear_cross_entropy`` and no logits (they are never formed); call it without labels for
 logits. An architecture kpt does not know raises before anything changes, and a failure while
 patching undoes what was done.
@@ -24,6 +25,7 @@ patching undoes what was done.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,29 +107,52 @@ def _norm(module: Any, unit_offset: bool) -> nn.Module:
 
 def _attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
                        attention_mask: Tensor | None = None, past_key_values: Any = None,
-                       **kwargs: Any) -> tuple[Tensor, None]:
-    """A transformers attention module's forward on kpt: projections, optional q/k norms, rope,
-    cache update, attention (causal as the module is), output projection."""
+                       **kwargs: Any) -> tuple[Tensor, Any]:
+    """A transformers attention module's forward on kpt: projections, optional q/k norms, kpt's
+    rope, cache update, kpt's attention (causal as the module is), output projection."""
     if attention_mask is not None:
         raise KernelNotSupportedError(
             f"kpt.patch: attention layer {self.layer_idx} was given an explicit mask (padding, or a sliding "
             "window shorter than the sequence), which kpt's attention kernel does not take; pass unpadded "
-            "batches, or patch with kpt.patch(model, attention=False)")
-    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(shape)
-    k = self.k_proj(hidden_states).view(shape)
-    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            "batches, or patch with kpt.patch(model, attention=False) (kpt's rope, transformers' attention)")
+    q, k, v, shape = _rotated(self, hidden_states, position_embeddings, past_key_values)
+    out = knn.backend(q).attention(q, k, v, getattr(self, "is_causal", True), self.scaling)
+    return self.o_proj(out.transpose(1, 2).reshape(*shape, -1)), None
+
+
+def _rotary_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                    attention_mask: Tensor | None = None, past_key_values: Any = None,
+                    **kwargs: Any) -> tuple[Tensor, Any]:
+    """As `_attention_forward` with the attention of the model's ``attn_implementation`` (masks,
+    padding and sliding windows as transformers handles them): kpt's rope only."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    q, k, v, shape = _rotated(self, hidden_states, position_embeddings, past_key_values)
+    eager = sys.modules[type(self).__module__].eager_attention_forward  # what the module itself falls back to
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    out, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                          scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs)
+    return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
+
+
+def _rotated(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+             past_key_values: Any) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:
+    """``(q, k, v, leading shape)``: the projections as ``[B, H, S, D]``, q and k normalized
+    where the module has q/k norms and rotated by kpt's rope, k and v after the cache update."""
+    shape = tuple(hidden_states.shape[:-1])
+    heads = (*shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(heads)
+    k = self.k_proj(hidden_states).view(heads)
+    v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
     if hasattr(self, "q_norm"):
         q, k = self.q_norm(q), self.k_norm(k)
-    be = knn.backend(q)
     cos, sin = position_embeddings
     if cos.dim() == 3 and cos.shape[0] == 1:  # one table for the batch: kpt's [S, D] form
         cos, sin = cos[0], sin[0]
-    q, k = be.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q, k = knn.backend(q).rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
-    out = be.attention(q, k, v, getattr(self, "is_causal", True), self.scaling)
-    return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
+    return q, k, v, shape
 
 
 def _router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -192,9 +217,14 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
                 mlp = knn.GatedMLP.from_linears(module.gate_proj, module.up_proj, module.down_proj, act)
                 plan.swap(f"{kind} -> kpt.nn.GatedMLP ({knn.ACTIVATIONS[act]})", _replace(parent, attr, mlp))
         elif kind.endswith("Attention") and hasattr(module, "q_proj"):
+            if getattr(module, "attn_logit_softcapping", None) is not None:
+                plan.leave(f"{kind} (rotary + attention)",
+                           "attention logit soft-capping is not in kpt's attention contract")
+                continue
             why = _attention_unsupported(module, config, attention)
             if why:
-                plan.leave(f"{kind} (rotary + attention)", why)
+                plan.leave(f"{kind}: attention (rotary on kpt)", why)
+                plan.swap(f"{kind}: rotary on kpt (rope)", _override(module, _rotary_forward))
             else:
                 plan.swap(f"{kind}: rotary + attention on kpt (rope, attention)", _override(module, _attention_forward))
         elif kind.endswith("TopKRouter"):
@@ -216,9 +246,7 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
 
 def _attention_unsupported(module: Any, config: Any, wanted: bool) -> str | None:
     if not wanted:
-        return "not asked for (attention=False)"
-    if getattr(module, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping is not in kpt's attention contract"
+        return "transformers' attention asked for (attention=False): masks and padding as it handles them"
     if getattr(config, "attention_dropout", 0.0):
         return f"attention dropout {config.attention_dropout} is not in kpt's attention contract"
     if config._attn_implementation != "sdpa":
@@ -241,8 +269,9 @@ def _loss_unsupported(config: Any, wanted: bool) -> str | None:
 
 def patch(model: Any, *, attention: bool = True, loss: bool = True) -> PatchSummary:
     """Patch a transformers causal LM in place to run on kpt's kernels (see the module docstring);
-    returns the `PatchSummary`, also kept as ``model.kpt_summary``. ``attention=False`` or
-    ``loss=False`` leave those. Raises `kpt.KernelNotSupportedError` for an architecture it does
+    returns the `PatchSummary`, also kept as ``model.kpt_summary``. ``attention=False`` keeps
+    transformers' attention (its masks, padding and sliding windows) around kpt's rope;
+    ``loss=False`` keeps transformers' loss. Raises `kpt.KernelNotSupportedError` for an architecture it does
     not know and `kpt.KernelInputError` for a model patched already; in both cases and on any
     failure while patching, the model is left as it was."""
     if hasattr(model, "_kpt_undo"):
