@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -43,3 +44,10 @@ def test_unknown_kernel_is_refused_before_any_test(tmp_path, monkeypatch: pytest
     monkeypatch.chdir(tmp_path)
     assert kpt_conformance.check("reference", kernels=["rms_nrom"], report=str(tmp_path / "r")) == 4  # usage error
     assert not (tmp_path / "r").exists()
+
+
+def test_without_rich_there_is_no_progress_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kpt_conformance import progress
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+    assert progress.progress_plugins() == ()
