@@ -9,9 +9,9 @@ those of the modules they replace, so a checkpoint loads unchanged:
 |---|---|---|
 | `RMSNorm` | ``torch.nn.RMSNorm``, ``LlamaRMSNorm`` (``unit_offset=True``: ``GemmaRMSNorm``) | ``weight`` |
 | `LayerNorm` | ``torch.nn.LayerNorm`` over the last dimension | ``weight``, ``bias`` |
-| `GatedMLP` | ``LlamaMLP`` (silu: SwiGLU), ``GemmaMLP`` (gelu_tanh: GeGLU) | ``gate_proj``, ``up_proj``, ``down_proj``|
+| `GatedMLP` | ``LlamaMLP`` (silu: SwiGLU), ``GemmaMLP`` (gelu_tanh: GeGLU) | ``{gate,up,down}_proj`` |
 | `RotaryEmbedding` | ``LlamaRotaryEmbedding`` with ``apply_rotary_pos_emb`` | ``inv_freq`` (not saved) |
-| `Attention` | ``LlamaAttention`` (grouped-query, causal, `KVCache`) | ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` |
+| `Attention` | ``LlamaAttention`` (grouped-query, causal, a `KVCache`) | ``{q,k,v,o}_proj`` |
 | `LinearCrossEntropyLoss` | ``lm_head`` followed by ``nn.CrossEntropyLoss`` | none (the head's weight is an argument) |
 | `MoE` | ``MixtralSparseMoeBlock`` | ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj`` |
 | `FP8Linear` | ``torch.nn.Linear`` for inference | ``weight``, ``bias`` |
