@@ -210,3 +210,18 @@ def test_auto_loader_and_trainer(tmp_path: object) -> None:
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_sliding_window_shorter_than_the_sequence() -> None:
+    """kpt's attention kernel has no window: such a call is refused; transformers' attention
+    around kpt's rope takes it."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(**TINY, sliding_window=4))
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 10))
+    kernel, rotary = copy.deepcopy(hf), copy.deepcopy(hf)
+    kpt.patch(kernel)
+    with pytest.raises(kpt.KernelNotSupportedError, match="sliding"):
+        kernel(tokens)
+    kpt.patch(rotary, attention=False)
+    with torch.no_grad():
+        close(rotary(tokens).logits, hf(tokens).logits, "logits with a window of 4")

@@ -130,8 +130,10 @@ def _rotary_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple
     q, k, v, shape = _rotated(self, hidden_states, position_embeddings, past_key_values)
     eager = sys.modules[type(self).__module__].eager_attention_forward  # what the module itself falls back to
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    # a layer's own window (Qwen2, Gemma 3: None on full-attention layers), else the model's (Mistral)
+    window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
     out, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
-                          scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs)
+                          scaling=self.scaling, sliding_window=window, **kwargs)
     return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
 
