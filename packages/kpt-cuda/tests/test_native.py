@@ -26,8 +26,9 @@ def test_unfused_linear_matches_the_reference(activation, bias):
     assert pre.numel() == (0 if activation is None else y.numel())
 
 
-def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16):
-    return attention._library(torch.empty(1, 8, sq, d, dtype=dtype), torch.empty(1, 2, skv, d, dtype=dtype), causal)
+def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1):
+    return attention._library(torch.empty(1, 8, sq, d, dtype=dtype), torch.empty(1, 2, skv, d, dtype=dtype), causal,
+                              scale)
 
 
 def test_attention_library_choice():
@@ -39,4 +40,5 @@ def test_attention_library_choice():
     assert _lib(64, 0, False) is None
     assert _lib(64, 64, True, d=36) is None  # head dim not a multiple of 8
     assert _lib(64, 64, True, dtype=torch.float32) is None
+    assert _lib(64, 64, True, scale=0.0) is None
     assert attention.available() is (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9)

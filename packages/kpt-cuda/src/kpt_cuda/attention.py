@@ -14,8 +14,8 @@ ATen operators that ``F.scaled_dot_product_attention`` dispatches to, and keeps 
 
 Both return the softmax statistics kpt's backward contract wants (``lse``, natural log, float32).
 Everything else runs the portable kernels: float32, head dimensions that are not a multiple of 8,
-queries that see no key (causal with ``Sq > Skv``, or ``Skv == 0``), empty tensors, GPUs other
-than Hopper (`available`).
+a zero ``scale`` (where the fused kernels return NaN), queries that see no key (causal with
+``Sq > Skv``, or ``Skv == 0``), empty tensors, GPUs other than Hopper (`available`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def available() -> bool:
             and hasattr(_aten, "_scaled_dot_product_flash_attention"))
 
 
-def _library(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
+def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> str | None:
     """"cudnn", "flash", or None where the portable kernel runs the call."""
     sq, d = q.shape[2], q.shape[3]
     skv = k.shape[2]
     if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
-            or (causal and sq > skv)):
+            or (causal and sq > skv) or scale == 0.0):
         return None
     return "cudnn" if sq == skv else "flash"
 
@@ -58,7 +58,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
     it passes on when it hands a call over."""
-    library = _library(q, k, causal)
+    library = _library(q, k, causal, scale)
     if library is None:
         return portable.attention_fwd(q, k, v, causal, scale, **tuning)
     causal = causal and q.shape[2] > 1
@@ -72,18 +72,19 @@ def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, 
 
 def attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like the portable `kpt_triton.attention.attention_bwd` (zeros without ``do``)."""
-    library = _library(q, k, causal)
+    library = _library(q, k, causal, scale)
     if library is None or do is None:
         return portable.attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning)
     causal = causal and q.shape[2] > 1
     sq, skv = q.shape[2], k.shape[2]
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     do = do.contiguous()
-    none = torch.empty(0, dtype=torch.int64, device=q.device)  # sequence offsets and dropout state: unused
+    # no dropout: its random state is not read; no sequence offsets (None): a dense batch
+    rng = torch.empty(0, dtype=torch.int64, device=q.device)
     if library == "cudnn":
         grads = _aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, k, v, o, lse.unsqueeze(-1), none, none, None, none, none, sq, skv, 0.0, causal, scale=scale)
+            do, q, k, v, o, lse.unsqueeze(-1), rng, rng, None, None, None, sq, skv, 0.0, causal, scale=scale)
     else:
         grads = _aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, none, none, sq, skv, 0.0, causal, none, none, scale=scale)
+            do, q, k, v, o, lse, None, None, sq, skv, 0.0, causal, rng, rng, scale=scale)
     return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
