@@ -153,6 +153,10 @@ def resources(design: Design, device: Device, ops: Mapping[str, OpCost]) -> dict
             total["dsp"] += n * cost.dsp
             total["lut"] += n * cost.lut
             total["ff"] += n * cost.ff
+            if cost.rom[0]:
+                # a table unit reads its ROM: one copy per two units (dual-port block RAM)
+                for res, blocks in memory_blocks(*cost.rom, device).items():
+                    total[res] += blocks * math.ceil(n / 2)
     for buf in design.buffers:
         per_bank = memory_blocks(buf.width, math.ceil(buf.depth / max(buf.banks, 1)), device)
         for res, n in per_bank.items():
