@@ -47,7 +47,8 @@ class Family:
     """What a constant-weight design needs of a device family: the DSP slice's multiplier ports
     (DSP48E2: 27×18, DSP48E1: 25×18) and the delays of a combinational multiply and of one adder
     level of a LUT adder tree (the operator delays the C-synthesis schedules report, e.g. 1.94 ns
-    for a 16-bit multiply on a -2 UltraScale+ part)."""
+    for a 16-bit multiply on a -2 UltraScale+ part). A pipeline stage holds what fits in the
+    clock period less the tool's default 12.5% uncertainty."""
 
     name: str
     dsp_a: int
@@ -58,7 +59,7 @@ class Family:
 
 ULTRASCALE_PLUS = Family("UltraScale+", 27, 18, 2.0, 0.5)
 ULTRASCALE = Family("UltraScale", 27, 18, 2.4, 0.6)
-SERIES7 = Family("7-series", 25, 18, 3.2, 0.8)
+SERIES7 = Family("7-series", 25, 18, 3.9, 1.0)
 
 
 @dataclass(frozen=True)

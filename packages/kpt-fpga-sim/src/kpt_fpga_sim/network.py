@@ -60,6 +60,8 @@ TABLE_ENTRIES = 1024
 """Entries of the exp, 1/x, sigmoid and tanh tables (hls4ml's default table size)."""
 TABLE_BITS = 18
 """Width of a table entry (hls4ml's default table type, ap_fixed<18,8>)."""
+CLOCK_BUDGET = 0.875
+"""Share of the clock period a pipeline stage may use (the rest is the tools' default uncertainty)."""
 ROM_LUT_DEPTH = 64
 """A ROM or shift register at most this deep is built in LUTs (a LUT6 holds 64 × 1 bit), deeper
 ones in block RAM."""
@@ -204,8 +206,9 @@ class _Ctx:
         self.family = device.family
 
     def stages(self, ns: float) -> int:
-        """Register stages a combinational path of ``ns`` needs at the clock (at least one)."""
-        return max(1, math.ceil(ns / self.period_ns - 1e-9))
+        """Register stages a combinational path of ``ns`` needs at the clock, less the 12.5%
+        clock uncertainty the HLS tools reserve by default (at least one)."""
+        return max(1, math.ceil(ns / (CLOCK_BUDGET * self.period_ns) - 1e-9))
 
 
 def _quantized(w: torch.Tensor, fmt: ApFixed) -> torch.Tensor:
@@ -235,6 +238,10 @@ def _dense_core(ctx: _Ctx, w: torch.Tensor, bias: bool, data_bits: int, s: Setti
             dsp = sum(p.dsp * c for p, c in counts.items())
             lut = sum(p.lut * c for p, c in counts.items())
             regs = sum(p.registered_bits * c for p, c in counts.items())
+            if compute > 1:
+                # the adder tree spans stages: every product and partial sum crosses a register
+                nonzero_products = int(nonzero.sum())
+                regs += (compute - 1) * nonzero_products * (data_bits + s.weight_format.w)
             kinds = {p.kind: 0 for p in counts}
             for p, c in counts.items():
                 kinds[p.kind] += c

@@ -1,0 +1,120 @@
+"""Published C-synthesis reports of hls4ml designs, and `estimate_model` set against them.
+
+Every number in `REPORTS` was read from the report named by its source (repository, commit and
+path): the summary's latency and interval (cycles) and its utilization totals. The model
+(architecture, precision, reuse factor, strategy, io type, part, clock) is the one the report's
+project was built from; the weights are not in the reports, so the estimate draws them as the
+networks start (Glorot-uniform, seeded), which matters for the DSP count: a trained network
+with many near-zero weights needs fewer (`kpt_fpga_sim.multipliers`).
+
+    python -m kpt_fpga_sim calibrate        # estimate against report, per quantity, and the sMAPE
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .network import NetworkReport, estimate_model
+
+QUANTITIES = ("latency_cycles", "interval", "dsp", "lut", "ff", "bram18")
+TOLERANCE = {"latency_cycles": 2.0, "interval": 2.0, "dsp": 2.0, "lut": 3.0, "ff": 3.0}
+"""The factor within which the estimate must stay of each report (tested in CI)."""
+
+
+def jet_tagging_mlp() -> nn.Module:
+    """The hls4ml tutorial's jet tagger: 16 → 64 → 32 → 32 → 5, ReLU, softmax."""
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 5), nn.Softmax(dim=-1))
+
+
+def dense_16_5_relu() -> nn.Module:
+    """hls4ml's report test model: one Dense(5) on 16 inputs with a ReLU."""
+    return nn.Sequential(nn.Linear(16, 5), nn.ReLU())
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "jet-tagging MLP 16-64-32-32-5": (jet_tagging_mlp, (1, 16)),
+    "dense 16-5 + relu": (dense_16_5_relu, (1, 16)),
+}
+
+
+@dataclass(frozen=True)
+class Published:
+    """One C-synthesis report: where it is, how it was built, what it says."""
+
+    source: str
+    commit: str
+    path: str
+    tool: str
+    model: str
+    precision: str
+    reuse: int
+    strategy: str
+    io: str
+    part: str
+    clock_mhz: float
+    numbers: dict[str, int]
+
+
+REPORTS = (
+    Published("nrp-nautilus/6nrp-hls4ml", "c83384d5a417642bb38ce8a523b8c4c189ecdc26",
+              "model_1/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vitis HLS 2022.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
+              "xcu250-figd2104-2L-e", 200.0,
+              {"latency_cycles": 15, "interval": 1, "dsp": 2557, "lut": 116694, "ff": 24233, "bram18": 8}),
+    Published("Hector-Plata/hls4ml-tutorial", "4ac4f07a0edf530cde74aec53610e1e22a6ecc2d",
+              "model_1/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
+              "xcu250-figd2104-2L-e", 200.0,
+              {"latency_cycles": 13, "interval": 1, "dsp": 1520, "lut": 85140, "ff": 11100, "bram18": 4}),
+    Published("fastmachinelearning/hls4ml", "9d6e76efe7373d4bac58b0200f8a3986de696505",
+              "test/pytest/test_report/Vivado/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "dense 16-5 + relu", "ap_fixed<16,6>", 1, "latency", "stream",
+              "xc7z020-clg400-1", 200.0,
+              {"latency_cycles": 10, "interval": 8, "dsp": 73, "lut": 2532, "ff": 7969, "bram18": 0}),
+)
+
+
+def estimate(report: Published, seed: int = 0) -> NetworkReport:
+    """`estimate_model` on the report's model and settings, Glorot-uniform weights from ``seed``."""
+    build, shape = MODELS[report.model]
+    g = torch.Generator().manual_seed(seed)
+    model = build().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                limit = (6.0 / (m.in_features + m.out_features)) ** 0.5
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 2 * limit - limit)
+                m.bias.zero_()
+    return estimate_model(model, torch.zeros(shape), format=report.precision, device=report.part,
+                          clock_mhz=report.clock_mhz, reuse=report.reuse, strategy=report.strategy, io=report.io)
+
+
+def smape(pairs: Sequence[tuple[float, float]]) -> float:
+    """Symmetric mean absolute percentage error of (estimate, report) pairs, in percent."""
+    terms = [abs(e - r) / ((abs(e) + abs(r)) / 2) for e, r in pairs if e or r]
+    return 100.0 * sum(terms) / len(terms) if terms else 0.0
+
+
+def table(reports: Sequence[Published] = REPORTS) -> str:
+    """Estimate against report for every quantity of every report, and the sMAPE per quantity."""
+    rows = []
+    pairs: dict[str, list[tuple[float, float]]] = {q: [] for q in QUANTITIES}
+    for rep in reports:
+        est = estimate(rep)
+        for q in QUANTITIES:
+            e, r = getattr(est, q), rep.numbers[q]
+            pairs[q].append((e, r))
+            ratio = f"{e / r:.2f}" if r else ("-" if not e else "inf")
+            rows.append((f"{rep.source} ({rep.tool})", q, f"{e:,}", f"{r:,}", ratio))
+    header = ("report", "quantity", "estimate", "report value", "estimate / report")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in (header, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("sMAPE: " + ", ".join(f"{q} {smape(p):.0f}%" for q, p in pairs.items()))
+    return "\n".join(lines)
