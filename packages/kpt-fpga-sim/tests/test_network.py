@@ -15,7 +15,7 @@ from kpt.errors import KernelInputError, KernelNotSupportedError
 from kpt_fpga_sim import calibration, configure, estimate_model, multipliers
 from kpt_fpga_sim.devices import SERIES7, ULTRASCALE_PLUS, get_device, memory_blocks, operators
 from kpt_fpga_sim.formats import ap_fixed
-from kpt_fpga_sim.hls import Design, Loop, resources
+from kpt_fpga_sim.hls import Design, Loop, format_table, resources
 from kpt_fpga_sim.network import nearest_reuse, valid_reuse
 
 
@@ -217,8 +217,19 @@ def test_devices_by_full_part_name() -> None:
                        ("xcvu9p-flga2104-2L-e", "vu9p"), ("xcvu13p-fhga2104-2L-e", "vu13p"),
                        ("xcku115-flvb2104-2-e", "ku115"), ("XCU280", "u280")]:
         assert get_device(part).name == name
-    with pytest.raises(ValueError):
-        get_device("xcu9999")
+    for bad in ("xcu9999", "xcu2500-figd2104", "vu19p"):
+        with pytest.raises(ValueError):
+            get_device(bad)
+
+
+def test_kernel_reports_name_their_architecture() -> None:
+    meta = torch.device("meta")
+    be = configure()
+    lin = be.estimate("linear", x=torch.empty(64, 128, device=meta), weight=torch.empty(32, 128, device=meta))
+    assert lin.architecture.startswith("streamed weights: a GEMM engine")
+    assert "architecture of linear: streamed weights" in format_table([lin])
+    norm = be.estimate("rms_norm", x=torch.empty(4, 64, device=meta), weight=torch.empty(64, device=meta))
+    assert norm.architecture == "operands streamed from off-chip memory"
 
 
 def test_row_lanes_capped_at_the_row_and_tables_counted() -> None:

@@ -104,7 +104,8 @@ def get_device(name: str | Device) -> Device:
     key = _ALIASES.get(key, key)
     if key not in DEVICES:
         # a full part name: the part followed by its package and speed grade
-        parts = sorted((p for p in _ALIASES if p.startswith("xc") and key.startswith(p)), key=len)
+        parts = sorted((p for p in _ALIASES if p.startswith("xc") and key.startswith(p)
+                        and key[len(p):len(p) + 1] in ("-", *"abcdefghijklmnopqrstuvwxyz")), key=len)
         if not parts:
             raise ValueError(f"unknown device profile {name!r}; expected one of {sorted(DEVICES)} "
                              "or a part name such as xcu250-figd2104-2L-e")
