@@ -176,6 +176,27 @@ def test_cnn_parallel_and_stream() -> None:
     assert r1.layers[0].op == "Conv1d" and r1.dsp > 0
 
 
+def test_functional_calls_are_layers_too() -> None:
+    from torch.nn import functional as F
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(2, 3, 3)
+            self.fc = nn.Linear(3 * 8, 4)
+
+        def forward(self, v):
+            v = F.pad(v, (1, 1))
+            v = F.relu(self.conv(v))
+            v = torch.flatten(v, 1)
+            return torch.softmax(torch.sigmoid(self.fc(v)).view(1, -1), dim=-1)
+
+    g = _gen()
+    rep = estimate_model(Net(), torch.randn(1, 2, 8, generator=g), io="stream")
+    assert [r.op for r in rep.layers] == ["pad", "Conv1d", "relu", "Linear", "sigmoid", "softmax"]
+    assert estimate_model(Net(), torch.randn(1, 2, 8, generator=g)).dsp > 0
+
+
 def test_report_prints_like_a_synthesis_summary() -> None:
     g = _gen()
     rep = estimate_model(nn.Sequential(_mlp(g, 16, 8, 5), nn.Softmax(dim=-1)), torch.randn(1, 16, generator=g),

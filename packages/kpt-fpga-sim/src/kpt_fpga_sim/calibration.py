@@ -3,9 +3,11 @@
 Every number in `REPORTS` was read from the report named by its source (repository, commit and
 path): the summary's latency and interval (cycles) and its utilization totals. The model
 (architecture, precision, reuse factor, strategy, io type, part, clock) is the one the report's
-project was built from; the weights are not in the reports, so the estimate draws them as the
-networks start (Glorot-uniform, seeded), which matters for the DSP count: a trained network
-with many near-zero weights needs fewer (`kpt_fpga_sim.multipliers`).
+project was built from. The weights are not in the reports, so the estimate draws them
+Glorot-uniform (seeded): Keras's default initializer, which hls4ml's test model keeps
+untrained. That matters for the DSP count only: a trained network with many near-zero weights
+needs fewer DSPs (`kpt_fpga_sim.multipliers`), and the estimate of such a network is as good as
+the weights it is given.
 
     python -m kpt_fpga_sim calibrate        # estimate against report, per quantity, and the sMAPE
 """

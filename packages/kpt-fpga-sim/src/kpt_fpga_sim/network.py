@@ -567,7 +567,7 @@ def estimate_model(model: nn.Module, example: torch.Tensor, *, format: str | ApF
 
 def _layer(ctx: _Ctx, gm, node, mod, key, x: _Tensor, y: _Tensor, s: Settings, folds):
     """``(cost, op)`` of one node; cost None for a node that is only wiring."""
-    if key in _RESHAPES or key in (nn.Flatten, nn.Identity, nn.Dropout):
+    if key in _RESHAPES:
         return None, "reshape"
     if isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d)):
         w, b = mod.weight, mod.bias
@@ -586,7 +586,7 @@ def _layer(ctx: _Ctx, gm, node, mod, key, x: _Tensor, y: _Tensor, s: Settings, f
                                           "and integer zero padding are modeled")
         return _conv(ctx, mod, w, b, x, y, s), op
     if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-        if node.name in {v for v in folds.values()}:
+        if node.name in folds.values():
             return _Cost(0, 1), type(mod).__name__
         return _batchnorm(ctx, mod, x, s), type(mod).__name__
     kind = _ACTIVATION_MODULES.get(key) if mod is not None else _ACTIVATION_FUNCTIONS.get(key)
