@@ -1,7 +1,8 @@
 """Published C-synthesis reports of hls4ml designs, and `estimate_model` set against them.
 
 Every number in `REPORTS` was read from the report named by its source (repository, commit and
-path): the summary's latency and interval (cycles) and its utilization totals. The model
+path): the summary's latency and interval (cycles; the worst case where it gives a range) and
+its utilization totals. The model
 (architecture, precision, reuse factor, strategy, io type, part, clock) is the one the report's
 project was built from. The weights are not in the reports, so the estimate draws them
 Glorot-uniform (seeded): Keras's default initializer, which hls4ml's test model keeps
@@ -38,9 +39,16 @@ def dense_16_5_relu() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 5), nn.ReLU())
 
 
+def small_mnist_cnn() -> nn.Module:
+    """28×28×1 → conv 3×3 ×4, ReLU, max-pool 4 → conv 3×3 ×8, ReLU, max-pool 2 → dense 10."""
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(4), nn.Conv2d(4, 8, 3), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32, 10))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "jet-tagging MLP 16-64-32-32-5": (jet_tagging_mlp, (1, 16)),
     "dense 16-5 + relu": (dense_16_5_relu, (1, 16)),
+    "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10": (small_mnist_cnn, (1, 1, 28, 28)),
 }
 
 
@@ -78,6 +86,12 @@ REPORTS = (
               "Vivado HLS 2020.1", "dense 16-5 + relu", "ap_fixed<16,6>", 1, "latency", "stream",
               "xc7z020-clg400-1", 200.0,
               {"latency_cycles": 10, "interval": 8, "dsp": 73, "lut": 2532, "ff": 7969, "bram18": 0}),
+    # reuse 8 as configured; hls4ml moved the convolutions' to 9 (its parameters.h), as the estimate does
+    Published("pominiq/DNNonSilicon", "ee1d2a3be1b094268ce30eed7d966c352839bd4f",
+              "model_1/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10", "ap_fixed<16,6>", 8, "resource",
+              "stream", "xc7z020-clg400-1", 100.0,
+              {"latency_cycles": 14182, "interval": 14113, "dsp": 76, "lut": 25632, "ff": 16975, "bram18": 45}),
 )
 
 
@@ -88,8 +102,9 @@ def estimate(report: Published, seed: int = 0) -> NetworkReport:
     model = build().eval()
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, nn.Linear):
-                limit = (6.0 / (m.in_features + m.out_features)) ** 0.5
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                fan_in, fan_out = m.weight[0].numel(), m.weight.shape[0] * m.weight[0, 0].numel()
+                limit = (6.0 / (fan_in + fan_out)) ** 0.5
                 m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 2 * limit - limit)
                 m.bias.zero_()
     return estimate_model(model, torch.zeros(shape), format=report.precision, device=report.part,

@@ -184,12 +184,13 @@ _BRAM18_SHAPES = ((36, 512), (18, 1024), (9, 2048), (4, 4096), (2, 8192), (1, 16
 _LUTRAM_BITS = 1024
 
 
-def memory_blocks(width: int, depth: int, device: Device) -> dict[str, int]:
-    """Resources of one memory bank of ``width`` bits × ``depth`` words."""
+def memory_blocks(width: int, depth: int, device: Device, lutram: bool = True) -> dict[str, int]:
+    """Resources of one memory bank of ``width`` bits × ``depth`` words (``lutram``: a bank of
+    at most 1 Kib may go to LUTs)."""
     bits = width * depth
     if bits == 0:
         return {}
-    if bits <= _LUTRAM_BITS:
+    if lutram and bits <= _LUTRAM_BITS:
         return {"lut": math.ceil(bits / 64)}
     bram = min(math.ceil(width / w) * math.ceil(depth / d) for w, d in _BRAM18_SHAPES)
     uram = math.ceil(width / 72) * math.ceil(depth / 4096)

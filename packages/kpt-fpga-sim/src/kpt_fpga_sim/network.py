@@ -8,18 +8,20 @@ from memory (`kpt_fpga_sim.kernels.linear`) but a fixed circuit:
   stage deep or a few (multiply delay plus ⌈log2 K⌉ adder levels over the clock period). A reuse
   factor R > 1 shares each multiplier among R weights: ⌈nonzero / R⌉ general multipliers,
   interval R.
-* ``strategy="resource"``: the weights in a ROM (R words of ⌈N·K / R⌉ weights; in LUTs when
-  at most 64 deep, else block RAM), ⌈N·K / R⌉ general multipliers each accumulating R products
+* ``strategy="resource"``: the weights in a ROM (R words of ⌈N·K / R⌉ weights; LUT RAM up to
+  1 Kib, else block RAM), ⌈N·K / R⌉ general multipliers each accumulating R products
   into its output lane: latency R plus the ROM read, multiply, accumulate and write stages.
 * Reuse factors are adjusted to the nearest valid one as hls4ml does (`valid_reuse`), and the
   report shows the one used.
 * ``io="parallel"``: whole arrays between layers, the network one pipeline (interval: the
   slowest layer's; latency: the layers' plus one register stage per registered layer, plus
   the input register). A convolution computes one output pixel per R cycles.
-* ``io="stream"``: FIFOs between layers (DATAFLOW), one pixel of C channels a beat; a
-  convolution keeps K−1 lines of its input in a line buffer and accepts one input pixel per R
-  cycles at best; a dense layer reads its input, computes, writes its outputs (its interval is
-  its latency plus the handshake).
+* ``io="stream"``: FIFOs between layers (DATAFLOW; one per channel, as deep as the layer
+  writes pixels), one pixel of C channels a beat; a convolution keeps K−1 lines of its input in
+  a line buffer, reads a pixel a cycle and, at each pixel that completes a window, computes an
+  output (at II = R in the latency strategy, a whole resource-strategy product otherwise); a
+  dense layer reads its input, computes, writes its outputs (its interval is its latency plus
+  the handshake).
 * Batch-norm after a dense or convolution is folded into its weights and bias; alone it is a
   constant multiply and add per element. ReLU is a comparison and a select; softmax, sigmoid and
   tanh read 1024-entry tables (exp and 1/x for softmax), one ROM copy per two lookups, BRAM
@@ -62,9 +64,9 @@ TABLE_BITS = 18
 """Width of a table entry (hls4ml's default table type, ap_fixed<18,8>)."""
 CLOCK_BUDGET = 0.875
 """Share of the clock period a pipeline stage may use (the rest is the tools' default uncertainty)."""
-ROM_LUT_DEPTH = 64
-"""A ROM or shift register at most this deep is built in LUTs (a LUT6 holds 64 × 1 bit), deeper
-ones in block RAM."""
+SRL_DEPTH = 32
+"""A FIFO at most this deep is built of shift-register LUTs (SRLC32E), a deeper one in block RAM
+(in the published hls4ml CNN report, FIFOs 36 deep take a BRAM, 16 deep none)."""
 
 
 @dataclass(frozen=True)
@@ -184,14 +186,14 @@ class _Cost:
     note: str = ""
 
 
-def _memory(width: int, depth: int, device: Device) -> dict[str, int]:
-    """A ROM, line buffer or FIFO of ``width`` × ``depth`` bits: LUTs up to `ROM_LUT_DEPTH` deep,
-    block RAM (or URAM) beyond."""
+def _fifo(width: int, depth: int, device: Device) -> dict[str, int]:
+    """A FIFO of ``width`` × ``depth`` bits: shift-register LUTs (32 deep each) up to
+    `SRL_DEPTH`, block RAM beyond."""
     if width * depth == 0:
         return {}
-    if depth <= ROM_LUT_DEPTH:
-        return {"lut": width * math.ceil(depth / ROM_LUT_DEPTH)}
-    return memory_blocks(width, depth, device)
+    if depth <= SRL_DEPTH:
+        return {"lut": width * math.ceil(depth / SRL_DEPTH)}
+    return memory_blocks(width, depth, device, lutram=False)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -256,12 +258,16 @@ def _dense_core(ctx: _Ctx, w: torch.Tensor, bias: bool, data_bits: int, s: Setti
         return _Cost(compute + reuse - 1, reuse, dsp, lut + adders * acc,
                      compute * n * out_bits + regs, architecture=arch, reuse=reuse, note=note)
     units = math.ceil(n * k / reuse)
-    p = multipliers.general(data_bits, s.weight_format.w, ctx.family)
-    rom = _memory(units * s.weight_format.w, reuse, ctx.device)
+    wb = s.weight_format.w
+    p = multipliers.general(data_bits, wb, ctx.family)
+    rom = memory_blocks(units * wb, reuse, ctx.device)
     # ROM read, multiply, accumulate, write around the R products each multiplier makes
     latency = reuse + 2 + ctx.stages(ctx.family.mul_ns)
-    return _Cost(latency, reuse, units * p.dsp, units * (p.lut + acc) + rom.get("lut", 0),
-                 n * acc + units * (data_bits + s.weight_format.w), rom.get("bram18", 0), rom.get("uram", 0),
+    # each multiplier selects its input among R (an R:1 multiplexer, 4 inputs a LUT6 per bit),
+    # registers its product and its partial sum; one accumulator per output
+    mux = data_bits * math.ceil((reuse - 1) / 3)
+    return _Cost(latency, reuse, units * p.dsp, units * (p.lut + mux + acc) + rom.get("lut", 0),
+                 n * acc + units * (data_bits + wb + acc), rom.get("bram18", 0), rom.get("uram", 0),
                  f"weights in ROM, {units} multipliers", reuse, note)
 
 
@@ -298,14 +304,22 @@ def _conv(ctx: _Ctx, mod, w, b, x: _Tensor, y: _Tensor, s: Settings) -> _Cost:
     pad = mod.padding if isinstance(mod.padding, tuple) else (mod.padding,) * len(kernel)
     padded = [d + 2 * p for d, p in zip(x.shape[1:], pad)]
     in_pixels = math.prod(padded)
-    # a line buffer of K-1 input lines (K-1 pixels for 1-D), all channels of a pixel in a word
-    lines = (kernel[0] - 1) if len(kernel) == 2 else 1
-    depth = padded[-1] if len(kernel) == 2 else kernel[0] - 1
-    buf = _memory(c * x.bits, depth, ctx.device)
-    latency = in_pixels * core.interval + core.latency + 1
-    return replace(core, latency=latency, interval=latency + 1,
-                   lut=core.lut + lines * buf.get("lut", 0), bram18=core.bram18 + lines * buf.get("bram18", 0),
-                   architecture=core.architecture + ", line buffer")
+    window = _window_registers(kernel, padded[-1], c, x.bits)
+    # every input pixel is read in a cycle; a pixel that completes a window then computes its
+    # output: pipelined at II = R (latency strategy), or one whole resource-strategy product
+    per_output = core.interval if s.strategy == "latency" else core.latency
+    cycles = in_pixels + out_pixels * (per_output - 1)
+    latency = cycles + core.latency + 1
+    return replace(core, latency=latency, interval=cycles + 1,
+                   lut=core.lut + window, ff=core.ff + window, architecture=core.architecture + ", line buffer")
+
+
+def _window_registers(kernel: tuple[int, ...], width: int, channels: int, bits: int) -> int:
+    """Register bits of a streamed window: the K-1 lines above it (2-D) and the window itself,
+    all channels. Registers (not shift-register LUTs: hls4ml's line buffers shift only when a
+    pixel arrives), each with a hold multiplexer: as many LUTs."""
+    lines = (kernel[0] - 1) * width if len(kernel) == 2 else 0
+    return (lines + math.prod(kernel)) * channels * bits
 
 
 def _elementwise(ctx: _Ctx, x: _Tensor, depth: int) -> tuple[int, int, int]:
@@ -368,8 +382,9 @@ def _batchnorm(ctx: _Ctx, mod, x: _Tensor, s: Settings) -> _Cost:
                  architecture="constant scale and shift")
 
 
-def _pool(ctx: _Ctx, kind: str, window: int, x: _Tensor, y: _Tensor, s: Settings) -> _Cost:
+def _pool(ctx: _Ctx, kind: str, kernel: tuple[int, ...], x: _Tensor, y: _Tensor, s: Settings) -> _Cost:
     w = s.result_format.w
+    window = math.prod(kernel)
     outs = math.prod(y.shape)
     per_out = (window - 1) * (w if kind == "max" else s.accum_format.w)
     if ctx.io == "parallel":
@@ -378,9 +393,11 @@ def _pool(ctx: _Ctx, kind: str, window: int, x: _Tensor, y: _Tensor, s: Settings
                      architecture=f"{kind} over {window}, unrolled")
     lanes = y.shape[0]
     if window == x.beats:       # global pooling: one running max or sum per channel
-        per_out = per_out // max(window - 1, 1)
+        regs, per_out = 0, per_out // max(window - 1, 1)
+    else:
+        regs = _window_registers(kernel, x.shape[-1], lanes, x.bits)
     latency = x.beats + ctx.stages(bits_for(window) * ctx.family.add_ns) + 1
-    return _Cost(latency, latency + 1, lut=lanes * per_out, ff=2 * lanes * w,
+    return _Cost(latency, latency + 1, lut=lanes * per_out + regs, ff=2 * lanes * w + regs,
                  architecture=f"{kind} over {window}, streamed")
 
 
@@ -479,11 +496,12 @@ def _folds(gm: torch.fx.GraphModule) -> dict[str, str]:
     return out
 
 
-def _window(mod, x: _Tensor, y: _Tensor) -> int:
+def _kernel(mod, x: _Tensor, y: _Tensor) -> tuple[int, ...]:
+    """The pooling window's shape."""
     if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)):
-        return math.prod(x.shape[1:]) // max(math.prod(y.shape[1:]), 1)
+        return tuple(a // max(b, 1) for a, b in zip(x.shape[1:], y.shape[1:]))
     k = mod.kernel_size
-    return math.prod(k) if isinstance(k, tuple) else k ** (len(x.shape) - 1)
+    return k if isinstance(k, tuple) else (k,) * (len(x.shape) - 1)
 
 
 def estimate_model(model: nn.Module, example: torch.Tensor, *, format: str | ApFixed = "ap_fixed<16,6>",
@@ -556,7 +574,7 @@ def estimate_model(model: nn.Module, example: torch.Tensor, *, format: str | ApF
         if io == "stream":
             # the FIFO to the next layer: one per channel (per element of a flat vector), as deep
             # as the layer writes beats
-            fifo = _memory(y.bits, y.beats, dev)
+            fifo = _fifo(y.bits, y.beats, dev)
             lanes = y.shape[0]
             cost = replace(cost, lut=cost.lut + lanes * fifo.get("lut", 0),
                            bram18=cost.bram18 + lanes * fifo.get("bram18", 0))
@@ -595,7 +613,7 @@ def _layer(ctx: _Ctx, gm, node, mod, key, x: _Tensor, y: _Tensor, s: Settings, f
             raise KernelNotSupportedError(f"estimate_model: {node.name}: softmax over a flat vector only")
         return _activation(ctx, kind, x, s), kind
     if key in _POOLS:
-        return _pool(ctx, _POOLS[key], _window(mod, x, y), x, y, s), type(mod).__name__
+        return _pool(ctx, _POOLS[key], _kernel(mod, x, y), x, y, s), type(mod).__name__
     if isinstance(mod, _PADS) or key is F.pad:
         value = getattr(mod, "value", node.kwargs.get("value", 0.0) if mod is None else 0.0)
         if value:
