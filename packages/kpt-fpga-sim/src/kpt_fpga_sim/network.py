@@ -218,6 +218,14 @@ def _quantized(w: torch.Tensor, fmt: ApFixed) -> torch.Tensor:
     return raw.to(torch.int64)
 
 
+def _registers(ctx: _Ctx, dsp: bool, tree_ns: float) -> int:
+    """Register stages inside a dense layer: its products (a DSP multiply, or about one adder for
+    a shift-add) and the adder tree after them, over the clock; a layer that fits one period is
+    combinational (0)."""
+    product_ns = ctx.family.mul_ns if dsp else ctx.family.add_ns
+    return ctx.stages(product_ns + tree_ns) - 1
+
+
 def _dense_core(ctx: _Ctx, w: torch.Tensor, bias: bool, data_bits: int, s: Settings) -> _Cost:
     """One product ``y[N] = W[N, K] · x[K] (+ b)`` with constant weights."""
     n, k = w.shape
@@ -228,8 +236,7 @@ def _dense_core(ctx: _Ctx, w: torch.Tensor, bias: bool, data_bits: int, s: Setti
     out_bits = s.result_format.w
     nonzero = (raw != 0).sum(1)
     terms = int(nonzero.max()) + bias if n else 0
-    # the products in one stage (or more), the adder tree over them in the next
-    compute = ctx.stages(ctx.family.mul_ns) + ctx.stages(bits_for(max(terms, 1)) * ctx.family.add_ns) - 1
+    tree_ns = bits_for(max(terms, 1)) * ctx.family.add_ns
     if s.strategy == "latency":
         adders = int((nonzero + bias - 1).clamp_min(0).sum())
         if reuse == 1:
@@ -238,6 +245,7 @@ def _dense_core(ctx: _Ctx, w: torch.Tensor, bias: bool, data_bits: int, s: Setti
                 p = _constant(v, data_bits, ctx.family)
                 counts[p] = counts.get(p, 0) + 1
             dsp = sum(p.dsp * c for p, c in counts.items())
+            compute = _registers(ctx, dsp > 0, tree_ns)
             lut = sum(p.lut * c for p, c in counts.items())
             regs = sum(p.registered_bits * c for p, c in counts.items())
             if compute > 1:
@@ -254,6 +262,7 @@ def _dense_core(ctx: _Ctx, w: torch.Tensor, bias: bool, data_bits: int, s: Setti
             units = math.ceil(int(nonzero.sum()) / reuse)
             p = multipliers.general(data_bits, s.weight_format.w, ctx.family)
             dsp, lut, regs = units * p.dsp, units * p.lut, units * p.registered_bits
+            compute = _registers(ctx, p.dsp > 0, tree_ns)
             arch = f"{units} shared multipliers"
         return _Cost(compute + reuse - 1, reuse, dsp, lut + adders * acc,
                      compute * n * out_bits + regs, architecture=arch, reuse=reuse, note=note)
@@ -633,8 +642,9 @@ def _network(model: str, ctx: _Ctx, fmt: ApFixed, strategy: str, reports: list[L
              input_bits: int) -> NetworkReport:
     active = [r for r in reports if r.latency_cycles or r.dsp or r.lut]
     if ctx.io == "parallel":
-        # one pipeline: every registered layer adds its stage register, plus the input register
-        latency = 1 + sum(r.latency_cycles + 1 for r in active if r.latency_cycles)
+        # one pipeline: the input register, and every layer its own latency and its output
+        # register, except a ReLU (a select) that chains into the next layer's cycle
+        latency = 1 + sum(r.latency_cycles + 1 for r in active if r.op != "relu")
         extra_ff = input_bits
     else:
         latency = 1 + sum(r.latency_cycles for r in active)
