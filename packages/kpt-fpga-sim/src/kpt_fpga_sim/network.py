@@ -381,8 +381,6 @@ def _batchnorm(ctx: _Ctx, mod, x: _Tensor, s: Settings) -> _Cost:
     per_channel = [_constant(v, x.bits, ctx.family) for v in raw]
     per_pixel = math.prod(x.shape[1:]) if len(x.shape) > 1 else 1
     copies = per_pixel if ctx.io == "parallel" else 1
-    if len(x.shape) == 1:
-        per_channel = per_channel[: x.shape[0]]
     dsp = copies * sum(p.dsp for p in per_channel)
     lut = copies * sum(p.lut + s.accum_format.w for p in per_channel)
     depth = ctx.stages(ctx.family.mul_ns + ctx.family.add_ns)
