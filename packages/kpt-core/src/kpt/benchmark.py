@@ -141,6 +141,8 @@ class Measurement:
     libraries: dict[str, float] = field(default_factory=dict)
     """Every library's time; ``ms["library"]`` is the fastest."""
     errors: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    """Wall time this measurement took (compiling included)."""
 
     def speedup(self, other: str) -> float | None:
         """How many times faster the backend is than ``other`` (above 1: the backend wins)."""
@@ -375,10 +377,24 @@ def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label
             result.errors[name] = wrong
         else:
             impls[name] = call
+    # one call of each first (torch.compile compiles there), then the device is brought back to
+    # its clocks (it idles while the host compiles), then each is timed
+    runners: dict[str, Callable[[], Any]] = {}
     for name, call in impls.items():
         try:
-            ms = time_ms(_runner(call, spec, args, mode), device, warmup, rep)
+            runners[name] = _runner(call, spec, args, mode)
+            runners[name]()
         except Exception as exc:  # one peer's failure must not hide the others' numbers
+            if name == "backend":
+                result.wrong = _message(exc)
+                return result
+            result.errors[name] = _message(exc)
+            runners.pop(name, None)
+    _busy(device)
+    for name, run in runners.items():
+        try:
+            ms = time_ms(run, device, warmup, rep)
+        except Exception as exc:
             if name == "backend":
                 result.wrong = _message(exc)
                 return result
@@ -392,6 +408,18 @@ def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label
         result.library, result.ms["library"] = min(result.libraries.items(), key=lambda kv: kv[1])
     _cost(result, spec, spec.check((), args, backend.dtypes), got, mode, ceilings)
     return result
+
+
+def _busy(device: torch.device, ms: float = 20.0) -> None:
+    """Keep the device busy with matrix products for about ``ms`` milliseconds (clocks up)."""
+    if device.type == "cpu":
+        return
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < ms:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
 
 
 def _cost(result: Measurement, spec: KernelSpec, values: dict[str, Any], got: tuple[torch.Tensor, ...],
@@ -534,14 +562,16 @@ def run_sweep(backend: Backend, points: list[Point], dtype: torch.dtype, ceiling
             if args is None:
                 r = Measurement(p.kernel, p.case.name, str(dt).removeprefix("torch."), mode, wrong=failure)
             else:
+                started = time.perf_counter()
                 try:
                     r = measure_args(backend, spec, args, p.case.name, dt, mode, ceilings, peers, warmup, rep,
                                      compile_once=True)
                 except Exception as exc:  # one shape's failure must not hide the others' numbers
                     r = Measurement(p.kernel, p.case.name, str(dt).removeprefix("torch."), mode, wrong=_message(exc))
+                r.seconds = time.perf_counter() - started
             r.sweep = p.sweep
             results.append(r)
-            say(row(r))
+            say(f"{row(r)} {r.seconds:.1f} s")
         if args is not None and host:
             size = _args_bytes(args)
             if p.kernel not in smallest or size < smallest[p.kernel][0]:
@@ -563,8 +593,10 @@ def worst(results: Iterable[Measurement]) -> dict[str, dict[str, Any]]:
     peer's time over the backend's), how many timings it had, and how many were wrong or failed."""
     out: dict[str, dict[str, Any]] = {}
     for r in results:
-        s = out.setdefault(r.kernel, {"timings": 0, "wrong": 0, "ratio": None, "case": "", "mode": "", "peer": ""})
+        s = out.setdefault(r.kernel, {"timings": 0, "wrong": 0, "ratio": None, "case": "", "mode": "", "peer": "",
+                                      "seconds": 0.0})
         s["timings"] += 1
+        s["seconds"] += r.seconds
         if r.wrong:
             s["wrong"] += 1
             continue
@@ -616,11 +648,11 @@ def markdown(results: list[Measurement], env: dict[str, str], ceilings: Ceilings
     ]
     summary = worst(results)
     if summary:
-        lines += ["| kernel | timings | wrong or failed | worst × best | at | mode | best peer there |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| kernel | timings | wrong or failed | worst × best | at | mode | best peer there | seconds |",
+                  "|---|---|---|---|---|---|---|---|"]
         for kernel, s in summary.items():
             lines.append(f"| {kernel} | {s['timings']} | {s['wrong']} | {_ratio(s['ratio'])} | {s['case'] or '–'} "
-                         f"| {s['mode'] or '–'} | {s['peer'] or '–'} |")
+                         f"| {s['mode'] or '–'} | {s['peer'] or '–'} | {s['seconds']:.0f} |")
         lines.append("")
     if host:
         lines += ["Host time of one forward call (µs, wall clock of back-to-back calls) at each kernel's "
@@ -656,7 +688,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves compile time)")
     parser.add_argument("--no-host", action="store_true", help="skip the host cost of small calls")
     parser.add_argument("--rep-ms", type=float, default=None,
-                        help="timing per implementation and shape (default: 100 ms for perf, 25 for the others)")
+                        help="timing per implementation and shape (default: 100 ms for perf, 20 for the others)")
     parser.add_argument("--out", default="reports/bench", help="directory for bench.json and bench.md")
     parser.add_argument("--plot", action="store_true", help="also write roofline.png (needs matplotlib)")
     parser.add_argument("--list", action="store_true", help="print the sweep's shapes and stop (no GPU needed)")
@@ -691,7 +723,7 @@ def run(opts: argparse.Namespace) -> int:
     dtype = getattr(torch, opts.dtype)
     started = time.perf_counter()
     ceilings = Ceilings.measure(device)
-    rep = opts.rep_ms if opts.rep_ms is not None else (100.0 if opts.sweep == "perf" else 25.0)
+    rep = opts.rep_ms if opts.rep_ms is not None else (100.0 if opts.sweep == "perf" else 20.0)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     results, costs = run_sweep(backend, points, dtype, ceilings, no_compile=opts.no_compile, warmup=rep / 4,
                                rep=rep, host=not opts.no_host, quiet=opts.quiet)

@@ -8,8 +8,8 @@ PyTorch (the reference math in float32) needs on an 80 GB GPU, not by host memor
 * ``perf``: each kernel's PERF.md shape (its ``perf`` cases).
 * ``models``: the hidden sizes, MLP widths and vocabularies of Llama 3, Qwen2.5/3, Mistral, Gemma 2
   and a DeepSeek-style MoE (256 experts, top-8), at token counts from 1 to 64K, for every kernel
-  whose shape those sizes set. Every model width is timed at 1 and 4096 tokens; the Llama 3 widths
-  (the first two of each kind) at every count of `TOKENS`.
+  whose shape those sizes set. Every model width is timed at 4096 tokens; the Llama 3 widths (the
+  first two of each kind) at every count of `TOKENS`.
 * ``attention``: PERF.md's B4 H32 S4096 D128, causal and not, 1K and 16K long, grouped-query
   ratios 4 and 8, head dims 64/128 (forward and backward) and 256 (forward), bf16 and fp16,
   and KV-cache decode (1 and 8 queries against up to 32K keys, 32 query heads, 8 KV heads).
@@ -71,10 +71,10 @@ MODELS: dict[str, Model] = {
 """Sizes from the models' published configurations; DeepSeek-V3's ``intermediate`` is one routed
 expert's width."""
 
-TOKENS = (1, 128, 4096, 16384, 65536)
+TOKENS = (1, 4096, 16384, 65536)
 """Token counts (batch × sequence) of the models sweep: decode, small batch, prefill, long."""
 
-EVERY_WIDTH_TOKENS = (1, 4096)
+EVERY_WIDTH_TOKENS = (4096,)
 """The token counts at which every model width is timed (the others only at the Llama 3 widths)."""
 
 MAX_ELEMENTS = 1 << 30
