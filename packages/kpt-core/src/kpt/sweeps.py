@@ -21,7 +21,7 @@ PyTorch (the reference math in float32) needs on an 80 GB GPU, not by host memor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -91,6 +91,9 @@ class Point:
     peers: tuple[str, ...] = ("eager", "compile", "library")
     """What it is timed against: torch eager and torch.compile of the contract's math, the libraries."""
     sweep: str = ""
+    make: Callable[..., Args] | None = None
+    """The inputs' builder and its keyword arguments (``case.make(g, dtype)`` calls it with them)."""
+    kw: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -105,7 +108,7 @@ def point(kernel: str, label: str, make: Callable[..., Args], modes: tuple[str, 
     if not SPECS[kernel].differentiable:
         modes = FWD
     case = Case(label, lambda g, dt: make(g, dt, **kw), dtypes=(dtype,) if dtype else None, perf=True)
-    return Point(kernel, case, modes)
+    return Point(kernel, case, modes, make=make, kw=kw)
 
 
 def _widths(field: str) -> list[tuple[str, int]]:
@@ -118,12 +121,12 @@ def _widths(field: str) -> list[tuple[str, int]]:
 
 def _grid(field: str, per_token: int = 1) -> Iterable[tuple[str, int, int]]:
     """(label, tokens, width) over `MODELS`' distinct ``field`` sizes: every width at
-    `EVERY_WIDTH_TOKENS`, the first two (Llama 3's) at every count of `TOKENS`; at most
-    `MAX_ELEMENTS` of ``tokens · per_token · width``."""
+    `EVERY_WIDTH_TOKENS`, the first two (Llama 3's) at every count of `TOKENS`. A count whose
+    ``tokens · per_token · width`` passes `MAX_ELEMENTS` becomes the largest power of two within."""
     for i, (model, width) in enumerate(_widths(field)):
-        for tokens in TOKENS if i < 2 else EVERY_WIDTH_TOKENS:
-            if tokens * per_token * width <= MAX_ELEMENTS:
-                yield f"{model} T={tokens} {field}={width}", tokens, width
+        fits = 1 << (MAX_ELEMENTS // (per_token * width)).bit_length() - 1
+        for tokens in dict.fromkeys(min(t, fits) for t in (TOKENS if i < 2 else EVERY_WIDTH_TOKENS)):
+            yield f"{model} T={tokens} {field}={width}", tokens, width
 
 
 def _moe_models() -> list[tuple[str, int, int, int]]:
@@ -151,8 +154,8 @@ def models_sweep() -> list[Point]:
         ]
     for label, t, v in _grid("vocab"):
         out.append(point("softmax", label, _make_softmax, shape=(t, v)))
-    # the loss: 8 bytes a logit in eager's float32 and the gradient beside it
-    for label, t, v in _grid("vocab", per_token=4):
+    # the loss: eager holds several float32 copies of the logits
+    for label, t, v in _grid("vocab", per_token=2):
         out.append(point("cross_entropy", label, _make_ce, shape=(t, v)))
         hidden = next(m.hidden for m in MODELS.values() if m.vocab == v)
         out.append(point("linear_cross_entropy", f"{label} hidden={hidden}", _make_lce, n=t, k=hidden, v=v))
