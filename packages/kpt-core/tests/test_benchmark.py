@@ -191,8 +191,8 @@ def test_report_gives_each_kernels_worst_ratio_against_its_best_peer() -> None:
                                                     "mode": "fwd+bwd", "peer": "compile", "seconds": 0}
     assert summary["attention"]["ratio"] == 0.5 and summary["attention"]["peer"] == "SDPA cuDNN"
     text = benchmark.markdown(results, {"torch": "x"}, benchmark.Ceilings(3000.0, 700.0), title="T")
-    assert "| rms_norm | 4 | 1 | 1.25 | b | fwd+bwd | compile |" in text
-    assert "| attention | 1 | 0 | 0.50 | e | fwd | SDPA cuDNN |" in text
+    assert "| rms_norm | 4 | 1 | 0 | 1.25 | b | fwd+bwd | compile |" in text
+    assert "| attention | 1 | 0 | 0 | 0.50 | e | fwd | SDPA cuDNN |" in text
     assert ("| rms_norm | a | bfloat16 | fwd | 1.0000 | 4.0000 | 2.0000 | n/a: Liger not installed "
             "| 4.00 | 2.00 | – | 2.00 |") in text
     assert "| rms_norm | d | bfloat16 | fwd | WRONG: y: max error 1 |" in text
@@ -236,3 +236,28 @@ def test_roofline_from_a_recorded_run(tmp_path: Path) -> None:
     assert roofline.main([str(FIXTURE), str(tmp_path / "r.png")]) == 0
     data = (tmp_path / "r.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_points_past_the_time_limit_are_recorded_as_skipped() -> None:
+    from kpt.kernels.rms_norm import _make
+
+    points = [sweeps.point("rms_norm", "a", _make, shape=(4, 8)), sweeps.point("rms_norm", "b", _make, shape=(4, 8))]
+    results, _ = benchmark.run_sweep(kpt.get_backend("reference"), points, torch.float32,
+                                     benchmark.Ceilings(100.0, 1.0), no_compile=True, host=False, quiet=True,
+                                     time_limit=1e-9)
+    assert len(results) == 4 and all(r.skipped and not r.ms for r in results)
+    assert benchmark.worst(results)["rms_norm"]["skipped"] == 4
+    assert "| rms_norm | a | float32 | fwd | SKIPPED: the time limit of 0 s was reached |" in benchmark.markdown(
+        results, {}, benchmark.Ceilings(100.0, 1.0))
+
+
+def test_host_cost_times_small_calls_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kpt.kernels.rms_norm import _make
+
+    spec, backend = kpt.SPECS["rms_norm"], kpt.get_backend("reference")
+    args = _make(torch.Generator().manual_seed(0), torch.float32, shape=(1, 4096))
+    cost = benchmark.host_cost(backend, spec, args, "1×4096")
+    assert set(cost.us) == {"backend", "eager"} and all(us > 0 for us in cost.us.values())
+    monkeypatch.setattr(benchmark, "SMALL_CALL_S", 0.0)
+    cost = benchmark.host_cost(backend, spec, args, "1×4096")
+    assert not cost.us and cost.errors["backend"].startswith("not a small call")

@@ -82,19 +82,25 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: float = 25, rep
     return statistics.median(samples)
 
 
+def _sync() -> None:
+    """Wait for the accelerator, if there is one."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
 def host_us(run: Callable[[], Any], calls: int = 100, rounds: int = 5) -> float:
     """Host time of one call in microseconds: the wall clock of ``calls`` back-to-back calls with
     nothing synchronized inside (the median of ``rounds``). For a call whose kernels are shorter
     than its launch, this is what the call costs."""
     run()
-    torch.cuda.synchronize()
+    _sync()
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
             run()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
+        _sync()
     return statistics.median(samples)
 
 
@@ -143,6 +149,8 @@ class Measurement:
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     """Wall time this measurement took (compiling included)."""
+    skipped: str = ""
+    """Why it was not measured (the sweep's time limit), where it was not."""
 
     def speedup(self, other: str) -> float | None:
         """How many times faster the backend is than ``other`` (above 1: the backend wins)."""
@@ -410,7 +418,7 @@ def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label
     return result
 
 
-def _busy(device: torch.device, ms: float = 20.0) -> None:
+def _busy(device: torch.device, ms: float = 10.0) -> None:
     """Keep the device busy with matrix products for about ``ms`` milliseconds (clocks up)."""
     if device.type == "cpu":
         return
@@ -419,7 +427,7 @@ def _busy(device: torch.device, ms: float = 20.0) -> None:
     while (time.perf_counter() - start) * 1e3 < ms:
         for _ in range(20):
             a @ a
-        torch.cuda.synchronize(device)
+        torch.accelerator.synchronize()
 
 
 def _cost(result: Measurement, spec: KernelSpec, values: dict[str, Any], got: tuple[torch.Tensor, ...],
@@ -488,6 +496,11 @@ def baselines(device: torch.device) -> dict[str, float | str]:
     return out
 
 
+SMALL_CALL_S = 0.005
+"""A call that takes longer than this (synchronized) has no host cost worth measuring: the device's
+time is its cost."""
+
+
 def host_cost(backend: Backend, spec: KernelSpec, args: dict[str, Any], label: str) -> HostCost:
     """Host time of one forward call of the backend, eager and each library present."""
     cost = HostCost(spec.name, label)
@@ -497,6 +510,14 @@ def host_cost(backend: Backend, spec: KernelSpec, args: dict[str, Any], label: s
         impls[name] = lambda fn=fn, **kw: fn(**spec.check((), kw, backend.dtypes))
     for name, call in impls.items():
         try:
+            call(**args)  # compiled or tuned before it is timed
+            start = time.perf_counter()
+            call(**args)
+            _sync()
+            once = time.perf_counter() - start
+            if once > SMALL_CALL_S:
+                cost.errors[name] = f"not a small call ({once * 1e3:.1f} ms)"
+                continue
             cost.us[name] = host_us(lambda call=call: call(**args))
         except Exception as exc:
             cost.errors[name] = _message(exc)
@@ -537,17 +558,23 @@ def _args_bytes(args: dict[str, Any]) -> int:
 
 def run_sweep(backend: Backend, points: list[Point], dtype: torch.dtype, ceilings: Ceilings, *,
               no_compile: bool = False, warmup: float = 5, rep: float = 25, host: bool = True,
-              quiet: bool = False) -> tuple[list[Measurement], list[HostCost]]:
+              quiet: bool = False, time_limit: float | None = None) -> tuple[list[Measurement], list[HostCost]]:
     """Measure every point of a sweep in every mode; then the host cost of each kernel's smallest
     point. A failure (wrong result, error, out of memory) is recorded at its point, and the sweep
-    goes on."""
+    goes on. Points not started within ``time_limit`` seconds are recorded as skipped."""
     device = backend.device()
     results: list[Measurement] = []
     smallest: dict[str, tuple[int, str, dict[str, Any]]] = {}
     last_kernel = None
+    deadline = time.perf_counter() + time_limit if time_limit else None
     for p, say in _progress(_by_kernel(points), quiet):
         spec = SPECS[p.kernel]
         dt = p.dtype or dtype
+        if deadline is not None and time.perf_counter() > deadline:
+            for mode in p.modes:
+                results.append(Measurement(p.kernel, p.case.name, str(dt).removeprefix("torch."), mode, sweep=p.sweep,
+                                           skipped=f"the time limit of {time_limit:.0f} s was reached"))
+            continue
         if p.kernel != last_kernel:
             torch._dynamo.reset()
             _COMPILED.pop(f"eager {last_kernel}", None)
@@ -597,6 +624,9 @@ def worst(results: Iterable[Measurement]) -> dict[str, dict[str, Any]]:
                                       "seconds": 0.0})
         s["timings"] += 1
         s["seconds"] += r.seconds
+        if r.skipped:
+            s["skipped"] = s.get("skipped", 0) + 1
+            continue
         if r.wrong:
             s["wrong"] += 1
             continue
@@ -625,8 +655,9 @@ HEADER = ("| kernel | shape | dtype | mode | kpt ms | eager ms | compile ms | li
 
 def row(r: Measurement) -> str:
     """One measurement as a row of `HEADER`'s table (× peer: the peer's time over kpt's)."""
-    if r.wrong:
-        return f"| {r.kernel} | {r.case} | {r.dtype} | {r.mode} | WRONG: {r.wrong} |||||||||| "
+    if r.wrong or r.skipped:
+        what = f"WRONG: {r.wrong}" if r.wrong else f"SKIPPED: {r.skipped}"
+        return f"| {r.kernel} | {r.case} | {r.dtype} | {r.mode} | {what} |||||||||| "
     best = r.best_peer()
     ms = " | ".join(_ms(r, k) for k in ("backend", *PEERS))
     ratios = " | ".join(_ratio(r.speedup(k)) for k in PEERS)
@@ -648,11 +679,11 @@ def markdown(results: list[Measurement], env: dict[str, str], ceilings: Ceilings
     ]
     summary = worst(results)
     if summary:
-        lines += ["| kernel | timings | wrong or failed | worst × best | at | mode | best peer there | seconds |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| kernel | timings | wrong or failed | skipped | worst × best | at | mode | best peer there "
+                  "| seconds |", "|---|---|---|---|---|---|---|---|---|"]
         for kernel, s in summary.items():
-            lines.append(f"| {kernel} | {s['timings']} | {s['wrong']} | {_ratio(s['ratio'])} | {s['case'] or '–'} "
-                         f"| {s['mode'] or '–'} | {s['peer'] or '–'} | {s['seconds']:.0f} |")
+            lines.append(f"| {kernel} | {s['timings']} | {s['wrong']} | {s.get('skipped', 0)} | {_ratio(s['ratio'])} "
+                         f"| {s['case'] or '–'} | {s['mode'] or '–'} | {s['peer'] or '–'} | {s['seconds']:.0f} |")
         lines.append("")
     if host:
         lines += ["Host time of one forward call (µs, wall clock of back-to-back calls) at each kernel's "
@@ -677,6 +708,11 @@ def markdown(results: list[Measurement], env: dict[str, str], ceilings: Ceilings
 # The command line (also `kpt bench`).
 
 
+TIME_LIMIT = 270.0
+"""The default time limit of a sweep other than perf: with start-up, ceilings and the host costs,
+a run stays within five minutes."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m kpt.benchmark`` and ``kpt bench``."""
     parser.add_argument("--backend", default=None, help="backend name (default: kpt.get_backend())")
@@ -689,6 +725,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-host", action="store_true", help="skip the host cost of small calls")
     parser.add_argument("--rep-ms", type=float, default=None,
                         help="timing per implementation and shape (default: 100 ms for perf, 20 for the others)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds after which the shapes not yet started are recorded as skipped "
+                             f"(default: none for perf, {TIME_LIMIT:.0f} for the other sweeps; 0: none)")
     parser.add_argument("--out", default="reports/bench", help="directory for bench.json and bench.md")
     parser.add_argument("--plot", action="store_true", help="also write roofline.png (needs matplotlib)")
     parser.add_argument("--list", action="store_true", help="print the sweep's shapes and stop (no GPU needed)")
@@ -725,8 +764,9 @@ def run(opts: argparse.Namespace) -> int:
     ceilings = Ceilings.measure(device)
     rep = opts.rep_ms if opts.rep_ms is not None else (100.0 if opts.sweep == "perf" else 20.0)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    limit = opts.time_limit if opts.time_limit is not None else (None if opts.sweep == "perf" else TIME_LIMIT)
     results, costs = run_sweep(backend, points, dtype, ceilings, no_compile=opts.no_compile, warmup=rep / 4,
-                               rep=rep, host=not opts.no_host, quiet=opts.quiet)
+                               rep=rep, host=not opts.no_host, quiet=opts.quiet, time_limit=limit or None)
     base = baselines(device) if not opts.no_host else {}
     wall = time.perf_counter() - started
     env = backend.environment()
@@ -738,7 +778,8 @@ def run(opts: argparse.Namespace) -> int:
               "results": [asdict(r) for r in results]}
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     title = (f"kpt benchmark, sweep {opts.sweep}: {len(points)} shapes, {len(results)} timings, "
-             f"{sum(1 for r in results if r.wrong)} wrong or failed, {wall:.0f} s.")
+             f"{sum(1 for r in results if r.wrong)} wrong or failed, "
+             f"{sum(1 for r in results if r.skipped)} skipped at the time limit, {wall:.0f} s.")
     table = markdown(results, env, ceilings, costs, base, title)
     (out / "bench.md").write_text(table)
     if opts.plot:
