@@ -15,7 +15,12 @@ peer and to the best of them, and each kernel's worst ratio over the sweep. Ever
 on correctness: a backend result that disagrees with eager is reported as wrong, with no speed, and
 a library that disagrees is left out. A failure at one shape is recorded there and the sweep goes
 on. Separately it measures the host time of one small call of each kernel (argument checks,
-dispatch, launch) beside an empty Triton kernel's launch and a one-element torch op.
+dispatch, launch) beside an empty Triton kernel's launch and a one-element torch op: at the
+smallest shapes a device-event time is the larger of the device's time and the host's time less
+the L2 flush before each call (about 85 µs on an H100), so the host's share needs its own number.
+
+In the sweeps other than perf, torch.compile compiles each kernel once and follows the shapes
+with its automatic dynamic shapes (what a user's compiled model gets); perf compiles each shape.
 """
 
 from __future__ import annotations
@@ -273,14 +278,14 @@ def libraries(kernel: str) -> tuple[dict[str, Callable[..., Any]], str]:
         return torch._scaled_mm(xq, wq.t(), x_scale, w_scale.reshape(1, -1) if w_scale.dim() else w_scale,
                                 bias=bias, out_dtype=out_dtype)
 
-    native: dict[str, dict[str, Callable[..., Any]]] = {
-        "attention": _sdpa_backends(),
-        "linear": {"cuBLAS+act": cublas_act, "compile(cuBLAS+act)": _compiled("linear", cublas_act)},
-        "fp8_linear": {"_scaled_mm": scaled_mm},
-        "grouped_linear": {"cuBLAS loop": _grouped_loop, "_grouped_mm": _grouped_mm},
+    native: dict[str, Callable[[], dict[str, Callable[..., Any]]]] = {
+        "attention": _sdpa_backends,
+        "linear": lambda: {"cuBLAS+act": cublas_act, "compile(cuBLAS+act)": _compiled("linear", cublas_act)},
+        "fp8_linear": lambda: {"_scaled_mm": scaled_mm},
+        "grouped_linear": lambda: {"cuBLAS loop": _grouped_loop, "_grouped_mm": _grouped_mm},
     }
     if kernel in native:
-        return native[kernel], ""
+        return native[kernel](), ""
     if kernel not in LIGER:
         return {}, ""
     try:
@@ -309,12 +314,6 @@ def libraries(kernel: str) -> tuple[dict[str, Callable[..., Any]], str]:
     return {"Liger": liger[kernel]}, ""
 
 
-def library_call(kernel: str) -> tuple[str, Callable[..., Any]] | None:
-    """The first library function present for ``kernel`` (see `libraries`)."""
-    found, _ = libraries(kernel)
-    return next(iter(found.items()), None)
-
-
 # ---------------------------------------------------------------------------------------------
 # One measurement.
 
@@ -335,21 +334,20 @@ def _message(exc: BaseException) -> str:
 
 
 def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, mode: str,
-            ceilings: Ceilings, compare_with: tuple[str, ...] = ("eager", "compile"), seed: int = 0,
-            warmup: float = 25, rep: float = 100, compile_once: bool = False) -> Measurement:
+            ceilings: Ceilings, compare_with: tuple[str, ...] = ("eager", "compile"), seed: int = 0) -> Measurement:
     """Time ``spec`` at ``case`` on ``backend`` and the ``compare_with`` peers ("eager", "compile",
-    "library"). ``compile_once`` keeps one compiled function per kernel across shapes (torch's
-    automatic dynamic shapes, as a user gets) instead of compiling each shape anew."""
+    "library"), torch.compile compiling this shape alone."""
     device = backend.device()
     args = _prepare(spec, case, dtype, device, seed)
-    return measure_args(backend, spec, args, case.name, dtype, mode, ceilings, compare_with,
-                        warmup=warmup, rep=rep, compile_once=compile_once)
+    return measure_args(backend, spec, args, case.name, dtype, mode, ceilings, compare_with)
 
 
 def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label: str, dtype: torch.dtype,
                  mode: str, ceilings: Ceilings, compare_with: tuple[str, ...], warmup: float = 25,
                  rep: float = 100, compile_once: bool = False) -> Measurement:
-    """`measure` at prepared inputs ``args``."""
+    """`measure` at prepared inputs ``args``. ``compile_once`` keeps one compiled function per
+    kernel across shapes (torch's automatic dynamic shapes, as a user gets; compiling each shape
+    anew would not fit a sweep in minutes) instead of compiling this shape alone."""
     device = backend.device()
     result = Measurement(spec.name, label, str(dtype).removeprefix("torch."), mode)
     eager = eager_call(spec, backend)
