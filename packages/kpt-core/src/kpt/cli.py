@@ -1,9 +1,11 @@
 """The ``kpt`` command. Each subcommand parses its options and calls one library function.
 
     kpt info                        # versions, backends (usable here or why not), kernels
-    kpt fpga-report linear --shape 8192,8192,8192 --device u280 --reuse 1,2,4   # the simulator's cost table
+    kpt fpga-report compare linear --shape 8192,8192,8192 --device u280 --reuse 1,2,4   # the FPGA simulator's
+    kpt fpga-report estimate model.pt --input-shape 1,16                                # cost reports
     kpt check --backend mydevice [--device cuda:1] [--dtypes float32,bfloat16] [--kernels rms_norm,silu]
               [--seed N] [--report DIR] [--xfails FILE_OR_DIR] [-- PYTEST_ARGS...]
+    kpt bench --backend cuda [--kernels rms_norm,softmax] [--sweep perf|models|attention|linear|all] [--plot]
 """
 
 from __future__ import annotations
@@ -56,7 +58,25 @@ def _fpga_report(args: argparse.Namespace) -> int:
         from kpt_fpga_sim.__main__ import main as fpga_main
     except ImportError:
         sys.exit("kpt fpga-report needs the FPGA simulator: pip install kpt-fpga-sim")
-    return fpga_main(["compare", *args.args, *args.extra])
+    return fpga_main([*args.args, *args.extra])
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .benchmark import run
+
+    return run(args)
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from .benchmark import add_arguments
+
+    bench = commands.add_parser(
+        "bench", help="time the kernels against torch eager, torch.compile and the libraries (needs a GPU)",
+        description="Time a backend's kernels on a sweep of shapes against torch eager, torch.compile and "
+                    "the libraries present, and write bench.json and bench.md (with --plot, roofline.png). "
+                    "Needs a GPU; --list shows a sweep's shapes anywhere.")
+    add_arguments(bench)
+    bench.set_defaults(run=_bench)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,12 +104,13 @@ def parser() -> argparse.ArgumentParser:
                     "the backend kpt.get_backend() picks here, and the kernels with their parameters.",
     ).set_defaults(run=_info)
     fpga = commands.add_parser(
-        "fpga-report", add_help=False, help="the FPGA simulator's cost report of a kernel under directive choices",
-        description="The cost table of kpt-fpga-sim (cycles, II, resources, fit, roofline) for one kernel, "
-                    "one row per directive variant; every argument goes to `python -m kpt_fpga_sim compare` "
-                    "(kpt fpga-report --help lists them).")
+        "fpga-report", add_help=False,
+        help="the FPGA simulator's cost reports: compare (a kernel's directives), estimate (a network), calibrate",
+        description="kpt-fpga-sim's command (cycles, II, resources, fit, roofline); every argument goes to "
+                    "`python -m kpt_fpga_sim` (kpt fpga-report --help lists its subcommands).")
     fpga.add_argument("args", nargs="*")
     fpga.set_defaults(run=_fpga_report)
+    _add_bench(commands)
     return p
 
 
