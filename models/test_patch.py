@@ -9,6 +9,7 @@ machine: `nox -s models` sets TRITON_INTERPRET=1; without it the cuda case fails
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,7 +197,7 @@ def test_generation_with_the_kv_cache_matches(family: str) -> None:
     assert torch.equal(patched.generate(prompt, **kw), hf.generate(prompt, **kw))
 
 
-def test_auto_loader_and_trainer(tmp_path: object) -> None:
+def test_auto_loader_and_trainer(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = kpt.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
     assert "loss" in " ".join(model.kpt_summary.swapped)
@@ -225,3 +226,18 @@ def test_a_sliding_window_shorter_than_the_sequence() -> None:
     kpt.patch(rotary, attention=False)
     with torch.no_grad():
         close(rotary(tokens).logits, hf(tokens).logits, "logits with a window of 4")
+
+
+def test_a_saved_checkpoint_loads_into_the_patched_model(tmp_path: Path) -> None:
+    hf = tiny("qwen3")
+    hf.save_pretrained(tmp_path)
+    patched = kpt.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert patched.kpt_summary.swapped and any(isinstance(m, kpt.nn.RMSNorm) for m in patched.modules())
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 8))
+    with torch.no_grad():
+        close(patched(tokens).logits, hf(tokens).logits, "logits after a save and a patched load")
+    patched.save_pretrained(tmp_path / "again")  # and a patched model saves what transformers loads
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"))
+    assert again.state_dict().keys() == hf.state_dict().keys()
+    with torch.no_grad():
+        close(again(tokens).logits, hf(tokens).logits, "logits after saving the patched model")
