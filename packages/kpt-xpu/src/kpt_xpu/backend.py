@@ -10,9 +10,9 @@ these GPUs multiplies float8).
 from __future__ import annotations
 
 import torch
-from kpt_triton.backend import TritonBackend
 
 import kpt
+from kpt_triton.backend import TritonBackend
 
 from . import device, moe, tuning
 

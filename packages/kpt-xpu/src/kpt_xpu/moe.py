@@ -13,6 +13,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 import torch
+
 from kpt.kernels.moe import expert_bounds
 
 
