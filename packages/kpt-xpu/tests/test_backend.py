@@ -123,7 +123,7 @@ def test_arch_detection(monkeypatch, part):
 
 @pytest.mark.parametrize("xpu, cuda, visible, backends, name, reason", [
     (None, None, False, ("intel",), "", "torch has no XPU support (a CPU build)"),
-    (None, "12.8", False, ("intel",), "", "torch has no XPU support (a CUDA build (CUDA 12.8))"),
+    (None, "12.8", False, ("intel",), "", "torch has no XPU support (a CUDA 12.8 build)"),
     ("20250301", None, False, ("intel",), "", "no Intel GPU visible"),
     ("20250301", None, True, ("nvidia", "amd"), "Intel(R) Arc(TM) B580 Graphics", "Triton has no Intel backend"),
     ("20250301", None, True, ("intel",), "Intel(R) Arc(TM) Graphics", "Intel(R) Arc(TM) Graphics has no tuning table"),

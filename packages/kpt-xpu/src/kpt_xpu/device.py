@@ -28,16 +28,16 @@ NAMES = (
 
 DEVICE_IDS = {0x0BD: "pvc", 0xE20: "bmg", 0xE21: "bmg", 0x642: "lnl", 0x64A: "lnl", 0x64B: "lnl",
               0x569: "acm", 0x56A: "acm", 0x56B: "acm", 0x56C: "acm"}
-"""Arch tag by PCI device id without its last hex digit: for names that say only "Intel(R)
-Graphics [0x64a0]" or "Intel(R) Arc(TM) Graphics" (some drivers name Lunar Lake so)."""
+"""Arch tag by PCI device id without its last hex digit, for names that do not say the part
+("Intel(R) Graphics [0x64a0]")."""
 
 
 def status() -> tuple[bool, str]:
     """``(True, "")`` when an Intel GPU with a tuning table can run the kernels here, else
     ``(False, why not)``."""
     if getattr(torch.version, "xpu", None) is None or not hasattr(torch, "xpu"):
-        build = (f"a CUDA build (CUDA {torch.version.cuda})" if torch.version.cuda else
-                 f"a ROCm build (HIP {torch.version.hip})" if torch.version.hip else "a CPU build")
+        build = (f"a CUDA {torch.version.cuda} build" if torch.version.cuda else
+                 f"a ROCm {torch.version.hip} build" if torch.version.hip else "a CPU build")
         return False, f"torch has no XPU support ({build}): this backend needs an XPU build of torch"
     if not torch.xpu.is_available():
         return False, "no Intel GPU visible"
@@ -52,7 +52,7 @@ def status() -> tuple[bool, str]:
 
 def arch_of(props: Any) -> str | None:
     """The arch tag of a device's properties (`torch.xpu.get_device_properties`): by its name,
-    else by its PCI device id (torch 2.8 and later report one); None for another GPU."""
+    else by its PCI device id (where torch reports one); None for another GPU."""
     for pattern, arch in NAMES:
         if pattern.search(props.name):
             return arch
