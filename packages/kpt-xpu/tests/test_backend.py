@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import inspect
+import os
 import subprocess
 import sys
 import types
@@ -10,7 +12,6 @@ import torch
 from kpt_xpu import device, moe, plugin, tuning
 
 import kpt
-from kpt_triton.backend import tuning_parameters
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ assert "intel_extension_for_pytorch" not in sys.modules or sys.modules["intel_ex
 @pytest.mark.parametrize("prepare", ["", "del torch.xpu; sys.modules['torch.xpu'] = None; del torch.version.xpu"],
                          ids=["cpu-torch", "no-torch.xpu"])
 def test_imports_without_xpu_support_and_without_ipex(prepare):
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _WITHOUT_XPU.format(prepare=prepare)], env=env,
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("False torch has no XPU support (a CPU build)"), out
@@ -141,13 +142,19 @@ def test_unavailable_reasons(monkeypatch, xpu, cuda, visible, backends, name, re
     assert status != why and status in be.environment()["device"]
 
 
-def test_tuning_tables_name_real_parameters():
-    launchers = tuning_parameters()
+def test_tuning_tables_name_parameters_of_the_bodies_here():
+    """Every entry names a body of this backend (after torch's grouped_linear replaced the Triton
+    one) and keyword-only parameters it has."""
+    keyword_only = {f.__name__: {n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY}
+                    for k in kpt_xpu.XpuBackend().kernels().values() for f in (k.forward, k.backward) if f is not None}
+    counted = {name for name, params in keyword_only.items() if "elems_per_warp" in params}
     assert set(tuning.TABLES) == set(tuning.ARCHS) == set(tuning.SLM_BYTES)
     for arch, table in tuning.TABLES.items():
+        assert counted <= set(table) and len(counted) > 20, arch  # every launcher that counts lanes
         for launcher, params in table.items():
-            assert launcher in launchers, f"{arch}: {launcher} is not a kernel body"
-            assert set(params) <= launchers[launcher], f"{arch}: {launcher} has no tuning parameter {set(params)}"
+            assert launcher in keyword_only, f"{arch}: {launcher} is not a kernel body"
+            unknown = set(params) - keyword_only[launcher]
+            assert not unknown, f"{arch}: {launcher} has no tuning parameter {unknown}"
 
 
 def test_row_kernels_count_lanes_of_the_subgroup_they_are_compiled_at():
