@@ -1,4 +1,4 @@
-"""`TritonBackend`: the base of every vendor backend built on these kernels (kpt-cuda, kpt-rocm).
+"""`TritonBackend`: the base of every vendor backend built on these kernels (kpt-cuda, kpt-rocm, kpt-xpu).
 
 A vendor package fills in only what differs per vendor::
 
