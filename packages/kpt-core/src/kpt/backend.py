@@ -15,6 +15,7 @@ import abc
 import difflib
 import functools
 import re
+import sys
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -154,7 +155,7 @@ class Backend(KernelMethods):
         values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
         bound_kernels = self._bound
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
+        traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors) or _distributed(self, tensors)
         if spec.check_values is not None and not traced and values_checked(self.checks_values):
             spec.check_values(bound)
         if traced:
@@ -172,6 +173,18 @@ class Backend(KernelMethods):
             out = bound_kernels.kernels[kernel].forward(*values)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
+
+
+def _distributed(backend: Backend, tensors: list[torch.Tensor]) -> bool:
+    """Whether a tensor is a DTensor: the call then runs as the op, which DTensor runs on each
+    rank's shard by `kpt.distributed`'s rules (registered here the first time)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in tensors):
+        return False
+    from . import distributed
+
+    distributed.register_rules(backend.op_namespace)
+    return True
 
 
 def unknown_kernel(name: str) -> str:

@@ -17,6 +17,7 @@ feels, so eager calls take a shorter road with the same bodies and the same auto
 from __future__ import annotations
 
 import inspect
+import sys
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -97,6 +98,10 @@ def register_all(namespace: str, kernels: Mapping[str, Kernel]) -> dict[str, Any
     _BODIES[namespace] = kernels
     if namespace not in _OPS:
         _OPS[namespace] = {name: _register(namespace, spec) for name, spec in SPECS.items()}
+        if "torch.distributed.tensor" in sys.modules:  # DTensors in use: their sharding rules
+            from .distributed import register_rules
+
+            register_rules(namespace)
     return _OPS[namespace]
 
 
