@@ -51,7 +51,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from .errors import KernelInputError, KernelNotSupportedError
 from .kernels import SPECS
-from .ops import _OPS
+from .ops import _OPS, backward_results
 from .spec import KernelSpec
 
 Placements = dict[str, Placement]
@@ -273,7 +273,10 @@ def _register_kernel(op: Any, spec: KernelSpec, backward: bool) -> None:
     fwd_outputs = list(spec.outputs + spec.saved)
     if backward:
         inputs = names + [f"out_{n}" for n in fwd_outputs] + [f"grad_{n}" for n in spec.outputs]
-        outputs = list(spec.differentiable)
+        # one result per differentiable input, except where ``spec.grads`` shares one: the first
+        # input that takes a result names it
+        shared = spec.grads(tuple(range(len(spec.differentiable)))) if spec.grads else range(len(spec.differentiable))
+        outputs = [spec.differentiable[list(shared).index(i)] for i in range(backward_results(spec))]
     else:
         inputs, outputs = names, fwd_outputs
     rule = _RULES[spec.name]

@@ -65,9 +65,16 @@ def backward_schema(spec: KernelSpec) -> str:
               for name, p in zip(names, _params(spec.forward))]
     params += [f"Tensor out_{name}" for name in spec.outputs + spec.saved]
     params += [f"Tensor? grad_{name}" for name in spec.outputs]
-    n = len(spec.differentiable)
+    n = backward_results(spec)
     returns = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
     return f"({', '.join(params)}) -> {returns}"
+
+
+def backward_results(spec: KernelSpec) -> int:
+    """How many tensors the backward body returns: one per differentiable input, fewer where
+    ``spec.grads`` hands one result to several inputs."""
+    n = len(spec.differentiable)
+    return n if spec.grads is None else max(spec.grads(tuple(range(n)))) + 1
 
 
 def as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
@@ -116,7 +123,7 @@ def _register(namespace: str, spec: KernelSpec) -> Any:
     if not spec.differentiable:
         return fwd
     assert spec.backward is not None
-    n_grad = len(spec.differentiable)
+    n_grad = backward_results(spec)
     # ops are functional: the backward body may overwrite its reusable inputs, so it gets copies
     n_args = len(inspect.signature(spec.forward).parameters)
     copied = [n_args + (spec.outputs + spec.saved).index(name) for name in spec.reusable]
