@@ -128,7 +128,8 @@ def _fp8_linear(a: dict[str, Any]) -> list[Strategy]:
     w_rows = a["w_scale"].ndim > 0
     strategies = [({"y": Shard(d)}, {"xq": Shard(d), **({"x_scale": Shard(d)} if x_rows else {})})
                   for d in range(last)]
-    strategies.append(({"y": Shard(last)}, {"wq": Shard(0), "bias": Shard(0), **({"w_scale": Shard(0)} if w_rows else {})}))
+    column = {"wq": Shard(0), "bias": Shard(0), **({"w_scale": Shard(0)} if w_rows else {})}
+    strategies.append(({"y": Shard(last)}, column))
     strategies.append(({"y": Partial()}, {"xq": Shard(last), "wq": Shard(1), "bias": Partial()}))
     return strategies
 
