@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 import kpt
 import kpt.distributed
@@ -57,12 +56,15 @@ def build_model(opts: argparse.Namespace, shape: dict[str, int], device: torch.d
     return LlamaForCausalLM(config).to(device=device, dtype=getattr(torch, opts.dtype))
 
 
-def swap_in_kpt(model: torch.nn.Module, be: kpt.Backend, use_patch: bool) -> str:
-    """kpt kernels in place of the model's RMSNorm, SwiGLU and rotary embedding; says how."""
+def swap_in_kpt(model: torch.nn.Module, be: kpt.Backend, use_patch: bool) -> tuple[str, Callable[[], None]]:
+    """kpt kernels in place of the model's RMSNorm, SwiGLU and rotary embedding: how, and the
+    undoing of what outlives the model (the module-level rotary function)."""
     if use_patch and hasattr(kpt, "patch"):
         kpt.patch(model)
-        return "kpt.patch"
+        return "kpt.patch", lambda: None
     from transformers.models.llama import modeling_llama
+
+    hf_rope = modeling_llama.apply_rotary_pos_emb
 
     swapped = {"rms_norm": 0, "swiglu": 0}
     for module in model.modules():
@@ -81,14 +83,8 @@ def swap_in_kpt(model: torch.nn.Module, be: kpt.Backend, use_patch: bool) -> str
 
     # the attention calls the module's function by name at every call
     modeling_llama.apply_rotary_pos_emb = rope
-    return f"local swap: {swapped['rms_norm']} RMSNorm, {swapped['swiglu']} SwiGLU, rope, cross_entropy"
-
-
-def restore_hf() -> None:
-    """Undo the module-level swap of the rotary embedding (the modules themselves are rebuilt)."""
-    from transformers.models.llama import modeling_llama
-
-    modeling_llama.apply_rotary_pos_emb = _HF_ROPE
+    how = f"local swap: {swapped['rms_norm']} RMSNorm, {swapped['swiglu']} SwiGLU, rope, cross_entropy"
+    return how, lambda: setattr(modeling_llama, "apply_rotary_pos_emb", hf_rope)
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, Any]:
@@ -125,7 +121,7 @@ def loss_backward(impl: str, plan: str, be: kpt.Backend) -> Callable[[Any, torch
 def run(opts: argparse.Namespace, shape: dict[str, int], plan: str, impl: str, mesh: DeviceMesh | None,
         device: torch.device, be: kpt.Backend) -> dict[str, Any]:
     model = build_model(opts, shape, device)
-    how = swap_in_kpt(model, be, opts.patch) if impl == "kpt" else "hf"
+    how, undo = swap_in_kpt(model, be, opts.patch) if impl == "kpt" else ("hf", lambda: None)
     rank, world = (dist.get_rank(), dist.get_world_size()) if plan != "single" else (0, 1)
     if plan == "fsdp":
         for layer in model.model.layers:
@@ -134,11 +130,12 @@ def run(opts: argparse.Namespace, shape: dict[str, int], plan: str, impl: str, m
     elif plan == "tp":
         parallelize_module(model, mesh, tp_plan(model))
     optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, foreach=False)
-    # rows that repeat a random phrase of 16 tokens: a pattern the model learns in a few steps
-    phrase = torch.randint(0, shape["vocab_size"], (opts.steps, shape["batch"], 16),
+    # every step the same rows, each repeating its random phrase of 16 tokens: the loss falls fast
+    phrase = torch.randint(0, shape["vocab_size"], (1, shape["batch"], 16),
                            generator=torch.Generator().manual_seed(opts.seed + 1))
-    tokens = phrase.repeat(1, 1, shape["seq"] // 16 + 1)[..., : shape["seq"] + 1]
-    rows = slice(rank * shape["batch"] // world, (rank + 1) * shape["batch"] // world) if plan == "fsdp" else slice(None)
+    tokens = phrase.repeat(opts.steps, 1, shape["seq"] // 16 + 1)[..., : shape["seq"] + 1]
+    share = shape["batch"] // world
+    rows = slice(rank * share, (rank + 1) * share) if plan == "fsdp" else slice(None)
     loss_and_backward = loss_backward(impl, plan, be)
     losses, times = [], []
     if device.type == "cuda":
@@ -170,8 +167,7 @@ def run(opts: argparse.Namespace, shape: dict[str, int], plan: str, impl: str, m
         else:
             result["peak_memory_gib"] = [round(float(peak), 3)]
     del model, optim
-    if impl == "kpt":
-        restore_hf()
+    undo()
     return result
 
 
@@ -180,11 +176,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-_HF_ROPE: Any = None
-
-
 def main() -> None:
-    global _HF_ROPE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model (for a CPU check)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -201,9 +193,6 @@ def main() -> None:
                         help="largest difference from the single-device losses (default 1e-4 float32, 3e-2 bfloat16)")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
-    from transformers.models.llama import modeling_llama
-
-    _HF_ROPE = modeling_llama.apply_rotary_pos_emb
     shape = TINY if opts.tiny else SMALL
     distributed = "WORLD_SIZE" in os.environ
     if distributed:

@@ -69,12 +69,17 @@ def _full(t: Any) -> Any:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-VARIANTS: dict[str, list[dict[str, Any]]] = {
-    "linear": [{}, {"activation": "gelu"}],
-    "attention": [{}, {"causal": True}],
-    "cross_entropy": [{"reduction": "none"}, {"reduction": "sum", "label_smoothing": 0.1}],
-    "linear_cross_entropy": [{"reduction": "none"}, {"reduction": "sum"}],
-    "quantize_fp8": [{"granularity": "row"}],
+def _bias(args: dict[str, Any]) -> dict[str, Any]:
+    w = args["weight"]
+    return {"bias": torch.randn(w.shape[0], generator=torch.Generator().manual_seed(6), dtype=w.dtype)}
+
+
+VARIANTS: dict[str, list[Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "linear": [lambda a: {}, _bias, lambda a: {"activation": "gelu", **_bias(a)}],
+    "attention": [lambda a: {}, lambda a: {"causal": True}],
+    "cross_entropy": [lambda a: {"reduction": "none"}, lambda a: {"reduction": "sum", "label_smoothing": 0.1}],
+    "linear_cross_entropy": [lambda a: {"reduction": "none"}, lambda a: {"reduction": "sum", **_bias(a)}],
+    "quantize_fp8": [lambda a: {"granularity": "row"}],
 }
 """Arguments that change a kernel's rule, over its first conformance case's (one variant if absent)."""
 
@@ -83,7 +88,7 @@ def _case_inputs(spec: kpt.KernelSpec) -> list[dict[str, Any]]:
     case = next(c for c in spec.cases() if not c.perf)
     dtype = torch.float64 if case.dtypes is None or torch.float64 in case.dtypes else case.dtypes[0]
     args = case.make(torch.Generator().manual_seed(0), dtype)
-    return [{**args, **variant} for variant in VARIANTS.get(spec.name, [{}])]
+    return [{**args, **variant(args)} for variant in VARIANTS.get(spec.name, [lambda a: {}])]
 
 
 def _rule_strategies(spec: kpt.KernelSpec, args: dict[str, Any], mesh: Any) -> list[Any]:
