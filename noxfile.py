@@ -81,7 +81,7 @@ def distributed(session: nox.Session) -> None:
     """kpt.distributed on the CPU: every kernel's DTensor sharding rules and the vocabulary-parallel
     losses against the single-process results, in gloo groups of 2 and 4 processes (reference
     backend)."""
-    _install(session)
+    _install(session, extra=("numpy",))  # torch's DTensor debug tools (counting collectives) import it
     session.run("pytest", "-q", "-p", "no:cacheprovider", DISTRIBUTED_TESTS, *session.posargs)
 
 
