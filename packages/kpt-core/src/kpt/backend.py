@@ -177,7 +177,9 @@ class Backend(KernelMethods):
 
 def _distributed(backend: Backend, tensors: list[torch.Tensor]) -> bool:
     """Whether a tensor is a DTensor: the call then runs as the op, which DTensor runs on each
-    rank's shard by `kpt.distributed`'s rules (registered here the first time)."""
+    rank's shard by `kpt.distributed`'s rules (registered here the first time; a call compiled
+    before any eager one finds them once ``kpt.distributed`` is imported). As under
+    ``torch.compile``, index values are not checked: they would be read from every shard."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in tensors):
         return False
