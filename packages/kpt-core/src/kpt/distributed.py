@@ -51,7 +51,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from .errors import KernelInputError, KernelNotSupportedError
 from .kernels import SPECS
-from .ops import _OPS, backward_results
+from .ops import _OPS, gradient_results
 from .spec import KernelSpec
 
 Placements = dict[str, Placement]
@@ -70,8 +70,12 @@ def _each_dim(dims: Sequence[int], outputs: Sequence[str], inputs: Sequence[str]
               stats: Sequence[str] = ()) -> list[Strategy]:
     """The same dimension of ``inputs`` and ``outputs`` sharded, for each of ``dims``; the
     flattened row statistics ``stats`` then go ``Shard(0)``."""
-    return [({**{o: Shard(d) for o in outputs}, **{s: Shard(0) for s in stats}}, {i: Shard(d) for i in inputs})
-            for d in dims]
+    strategies: list[Strategy] = []
+    for d in dims:
+        outs: Placements = {**{o: Shard(d) for o in outputs}, **{s: Shard(0) for s in stats}}
+        ins: Placements = {i: Shard(d) for i in inputs}
+        strategies.append((outs, ins))
+    return strategies
 
 
 def _norm(outputs: tuple[str, ...], inputs: tuple[str, ...], stats: tuple[str, ...]) -> Callable[..., list[Strategy]]:
@@ -91,9 +95,9 @@ def _softmax(a: dict[str, Any]) -> list[Strategy]:
 def _rope(a: dict[str, Any]) -> list[Strategy]:
     per_sequence = a["cos"].ndim == 3  # cos and sin [B, S, D] rather than [S, D]
     tables = ("cos", "sin")
-    batch = {"q": Shard(0), "k": Shard(0), **({t: Shard(0) for t in tables} if per_sequence else {})}
-    heads = {"q": Shard(1), "k": Shard(1)}
-    seq = {"q": Shard(2), "k": Shard(2), **{t: Shard(a["cos"].ndim - 2) for t in tables}}
+    batch: Placements = {"q": Shard(0), "k": Shard(0), **({t: Shard(0) for t in tables} if per_sequence else {})}
+    heads: Placements = {"q": Shard(1), "k": Shard(1)}
+    seq: Placements = {"q": Shard(2), "k": Shard(2), **{t: Shard(a["cos"].ndim - 2) for t in tables}}
     return [({"q_out": p["q"], "k_out": p["k"]}, p) for p in (batch, heads, seq)]
 
 
@@ -114,7 +118,8 @@ def _attention(a: dict[str, Any]) -> list[Strategy]:
 def _linear(a: dict[str, Any]) -> list[Strategy]:
     last = _last(a, "x")
     pre = a["activation"] is not None  # the pre-activation is saved only with an activation
-    strategies = [({"y": Shard(d), **({"pre": Shard(d)} if pre else {})}, {"x": Shard(d)}) for d in range(last)]
+    strategies: list[Strategy] = [({"y": Shard(d), **({"pre": Shard(d)} if pre else {})}, {"x": Shard(d)})
+                                   for d in range(last)]
     strategies.append(({"y": Shard(last), **({"pre": Shard(last)} if pre else {})},
                        {"weight": Shard(0), "bias": Shard(0)}))
     if not pre:  # a partial sum goes through no activation; the bias is added on one rank's share
@@ -126,9 +131,9 @@ def _fp8_linear(a: dict[str, Any]) -> list[Strategy]:
     last = _last(a, "xq")
     x_rows = a["x_scale"].ndim > 0  # per-row scales shard with the rows
     w_rows = a["w_scale"].ndim > 0
-    strategies = [({"y": Shard(d)}, {"xq": Shard(d), **({"x_scale": Shard(d)} if x_rows else {})})
-                  for d in range(last)]
-    column = {"wq": Shard(0), "bias": Shard(0), **({"w_scale": Shard(0)} if w_rows else {})}
+    strategies: list[Strategy] = [({"y": Shard(d)}, {"xq": Shard(d), **({"x_scale": Shard(d)} if x_rows else {})})
+                                   for d in range(last)]
+    column: Placements = {"wq": Shard(0), "bias": Shard(0), **({"w_scale": Shard(0)} if w_rows else {})}
     strategies.append(({"y": Shard(last)}, column))
     strategies.append(({"y": Partial()}, {"xq": Shard(last), "wq": Shard(1), "bias": Partial()}))
     return strategies
@@ -276,8 +281,8 @@ def _register_kernel(op: Any, spec: KernelSpec, backward: bool) -> None:
         inputs = names + [f"out_{n}" for n in fwd_outputs] + [f"grad_{n}" for n in spec.outputs]
         # one result per differentiable input, except where ``spec.grads`` shares one: the first
         # input that takes a result names it
-        shared = spec.grads(tuple(range(len(spec.differentiable)))) if spec.grads else range(len(spec.differentiable))
-        outputs = [spec.differentiable[list(shared).index(i)] for i in range(backward_results(spec))]
+        taken = gradient_results(spec)
+        outputs = [spec.differentiable[taken.index(i)] for i in range(max(taken) + 1)]
     else:
         inputs, outputs = names, fwd_outputs
     rule = _RULES[spec.name]

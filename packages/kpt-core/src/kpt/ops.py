@@ -70,11 +70,16 @@ def backward_schema(spec: KernelSpec) -> str:
     return f"({', '.join(params)}) -> {returns}"
 
 
+def gradient_results(spec: KernelSpec) -> list[int]:
+    """For each differentiable input, which result of the backward body is its gradient: its own,
+    unless ``spec.grads`` hands one result to several inputs."""
+    indices = tuple(range(len(spec.differentiable)))
+    return list(indices if spec.grads is None else spec.grads(indices))  # type: ignore[arg-type]
+
+
 def backward_results(spec: KernelSpec) -> int:
-    """How many tensors the backward body returns: one per differentiable input, fewer where
-    ``spec.grads`` hands one result to several inputs."""
-    n = len(spec.differentiable)
-    return n if spec.grads is None else max(spec.grads(tuple(range(n)))) + 1
+    """How many tensors the backward body returns."""
+    return max(gradient_results(spec)) + 1
 
 
 def as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
