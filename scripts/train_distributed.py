@@ -190,7 +190,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--patch", action="store_true", help="swap the layers with kpt.patch where kpt has it")
     parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest difference from the single-device losses (default 1e-4 float32, 3e-2 bfloat16)")
+                        help="largest difference from the single-device losses (default 1e-4 float32, 0.1 "
+                             "bfloat16: its losses near 5 are 1/32 apart, and kernels rounding differently drift)")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     shape = TINY if opts.tiny else SMALL
@@ -229,7 +230,7 @@ def report(opts: argparse.Namespace, shape: dict[str, int], runs: list[dict[str,
            world: int, device: torch.device) -> None:
     import transformers
 
-    tolerance = opts.tolerance or (1e-4 if opts.dtype == "float32" else 3e-2)
+    tolerance = opts.tolerance or (1e-4 if opts.dtype == "float32" else 0.1)
     reference = next((r["losses"] for r in runs if r["plan"] == "single" and r["impl"] == "hf"), None)
     for r in runs:
         if reference is not None:
