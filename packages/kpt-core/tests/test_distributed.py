@@ -198,11 +198,32 @@ def _checks(world: int, mesh: Any) -> dict[str, Callable[[], None]]:
                                for _ in range(3))), "attention", "multiples")
     checks["error:quantize_fp8_tensor_scale"] = lambda: _expect_error(
         lambda: be.quantize_fp8(shard(x.float(), Shard(0)), "tensor"), "quantize_fp8", "'x'")
+    checks["plain_tensors_replicated"] = lambda: _check_plain_replicated(be, mesh)
     checks["vocab_parallel_cross_entropy"] = lambda: _check_vocab_parallel(be, mesh)
     checks["vocab_parallel_linear_cross_entropy"] = lambda: _check_vocab_parallel_linear(be, mesh)
     if world == 2:  # one compile is enough (and takes longer than every other check together)
         checks["compiled_rms_norm"] = lambda: _check_compiled(be, mesh)
     return checks
+
+
+def _check_plain_replicated(be: kpt.Backend, mesh: Any) -> None:
+    """Plain tensors beside a DTensor count as replicated: a norm's weight (its gradient reduced
+    over the shards), a loss's targets."""
+    from torch.distributed.tensor import Shard
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 6, 32, generator=g, dtype=torch.float64)
+    w = torch.randn(32, generator=g, dtype=torch.float64)
+    logits = torch.randn(8, 12, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 12, (8,), generator=g)
+    dx, w1, w2 = _distribute(x, mesh, [Shard(0)]), w.clone().requires_grad_(), w.clone().requires_grad_()
+    y = be.rms_norm(dx, w1)
+    _compare("y", y, be.rms_norm(x, w), mesh)
+    (got,) = torch.autograd.grad(y.sum(), w1)
+    (want,) = torch.autograd.grad(be.rms_norm(x, w2).sum(), w2)
+    _close("dweight", got, want)
+    loss = be.cross_entropy(_distribute(logits, mesh, [Shard(0)]), target, reduction="sum")
+    _close("loss", loss.full_tensor(), be.cross_entropy(logits, target, reduction="sum"))
 
 
 def _check_vocab_parallel(be: kpt.Backend, mesh: Any) -> None:
@@ -333,7 +354,8 @@ def test_sharding_rules(reports: dict[str, list[str]], kernel: str) -> None:
 @pytest.mark.parametrize("check", ["error:rms_norm_hidden_sharded", "error:cross_entropy_vocab_sharded",
                                    "error:cross_entropy_mean_over_rows", "error:attention_causal_queries",
                                    "error:attention_heads_not_divisible", "error:quantize_fp8_tensor_scale",
-                                   "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy"])
+                                   "plain_tensors_replicated", "vocab_parallel_cross_entropy",
+                                   "vocab_parallel_linear_cross_entropy"])
 def test_distributed_checks(reports: dict[str, list[str]], check: str) -> None:
     assert not reports[check], "\n".join(reports[check])
 

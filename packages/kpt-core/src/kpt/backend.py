@@ -155,7 +155,9 @@ class Backend(KernelMethods):
         values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
         bound_kernels = self._bound
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors) or _distributed(self, tensors)
+        traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
+        if not traced and (dtensors := _distributed(self, values, tensors)) is not None:
+            values, traced = dtensors, True
         if spec.check_values is not None and not traced and values_checked(self.checks_values):
             spec.check_values(bound)
         if traced:
@@ -175,18 +177,20 @@ class Backend(KernelMethods):
         return out[0] if len(out) == 1 else out
 
 
-def _distributed(backend: Backend, tensors: list[torch.Tensor]) -> bool:
-    """Whether a tensor is a DTensor: the call then runs as the op, which DTensor runs on each
-    rank's shard by `kpt.distributed`'s rules (registered here the first time; a call compiled
-    before any eager one finds them once ``kpt.distributed`` is imported). As under
-    ``torch.compile``, index values are not checked: they would be read from every shard."""
+def _distributed(backend: Backend, values: list[Any], tensors: list[torch.Tensor]) -> list[Any] | None:
+    """Where a tensor is a DTensor: ``values`` with every other tensor made a replicated DTensor
+    on its mesh (a norm's weight, a loss's targets), for the op, which DTensor runs on each rank's
+    shard by `kpt.distributed`'s rules (registered here the first time; a call compiled before
+    any eager one finds them once ``kpt.distributed`` is imported). None where there is none. As
+    under ``torch.compile``, index values are not checked: they would be read from every shard."""
     dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in tensors):
-        return False
+    mesh = next((t.device_mesh for t in tensors if isinstance(t, dtensor.DTensor)), None) if dtensor else None
+    if mesh is None:
+        return None
     from . import distributed
 
     distributed.register_rules(backend.op_namespace)
-    return True
+    return [distributed.replicated(v, mesh) for v in values]
 
 
 def unknown_kernel(name: str) -> str:

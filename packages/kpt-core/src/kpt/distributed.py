@@ -326,6 +326,14 @@ for _namespace in list(_OPS):  # the backends bound before this import; `kpt.ops
     register_rules(_namespace)
 
 
+def replicated(value: Any, mesh: Any) -> Any:
+    """``value`` as a replicated DTensor on ``mesh`` if it is a plain tensor (every rank holds the
+    whole of it); anything else as it is."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, mesh, [R] * mesh.ndim, run_check=False)
+    return value
+
+
 # -- vocabulary-parallel cross-entropy -------------------------------------------------------
 
 
