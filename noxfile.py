@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot usage newest distributed  # what CI runs
+    nox -s lint tests conformance example aot usage newest models distributed  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -64,9 +64,10 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's unit tests on the CPU (Triton kernels through the interpreter)."""
+    """Every package's unit tests on the CPU (Triton kernels through the interpreter), with the
+    optional rich of kpt-core[cli] (its plain fallback is tested by hiding it)."""
     # matplotlib: kpt-core's roofline test draws a recorded benchmark run
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib"), editable=True)
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib", "rich"), editable=True)
     # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton);
     # the multi-process tests of kpt.distributed are the `distributed` session's
     for package in PACKAGES:
@@ -184,11 +185,23 @@ def aot(session: nox.Session) -> None:
 def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
-    Python snippets; mypy over a user's first script (tests/)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy"))
+    Python snippets (transformers installed for the one that patches a model); mypy over a user's
+    first script (tests/)."""
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy", "transformers"))
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
+
+
+@nox.session
+def models(session: nox.Session) -> None:
+    """`kpt.patch` on tiny random-initialised transformers models of every supported family:
+    patched and unpatched forward, loss, gradients and a training step agree, on the reference
+    backend and on the cuda backend (through Triton's interpreter on a CPU machine); the auto
+    loader and the transformers Trainer on a patched model; scripts/train_llama.py --tiny."""
+    _install(session, "kpt-triton", "kpt-cuda", "kpt-fpga-sim",
+             extra=("numpy", "transformers", "accelerate", "matplotlib"))
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", *session.posargs, env=CUDA_ENV)
 
 
 @nox.session
