@@ -60,8 +60,8 @@ def swap_in_kpt(model: torch.nn.Module, be: kpt.Backend, use_patch: bool) -> tup
     """kpt kernels in place of the model's RMSNorm, SwiGLU and rotary embedding: how, and the
     undoing of what outlives the model (the module-level rotary function)."""
     if use_patch and hasattr(kpt, "patch"):
-        kpt.patch(model)
-        return "kpt.patch", lambda: None
+        summary = kpt.patch(model)
+        return f"kpt.patch: {summary}", lambda: kpt.unpatch(model)
     from transformers.models.llama import modeling_llama
 
     hf_rope = modeling_llama.apply_rotary_pos_emb
