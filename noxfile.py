@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot usage newest models  # what CI runs
+    nox -s lint tests conformance example aot usage newest models distributed  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -75,10 +75,23 @@ def tests(session: nox.Session) -> None:
     optional rich of kpt-core[cli] (its plain fallback is tested by hiding it)."""
     # matplotlib: kpt-core's roofline test draws a recorded benchmark run
     _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib", "rich"), editable=True)
-    # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton)
+    # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton);
+    # the multi-process tests of kpt.distributed are the `distributed` session's
     for package in PACKAGES:
-        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
-                    env={"TRITON_INTERPRET": "1"})
+        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests",
+                    f"--ignore={DISTRIBUTED_TESTS}", *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+DISTRIBUTED_TESTS = "packages/kpt-core/tests/test_distributed.py"
+
+
+@nox.session
+def distributed(session: nox.Session) -> None:
+    """kpt.distributed on the CPU: every kernel's DTensor sharding rules and the vocabulary-parallel
+    losses against the single-process results, in gloo groups of 2 and 4 processes (reference
+    backend)."""
+    _install(session, extra=("numpy",))  # torch's DTensor debug tools (counting collectives) import it
+    session.run("pytest", "-q", "-p", "no:cacheprovider", DISTRIBUTED_TESTS, *session.posargs)
 
 
 @nox.session
