@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot usage newest models distributed  # what CI runs
+    nox -s lint tests conformance example aot usage newest  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -78,18 +78,18 @@ def tests(session: nox.Session) -> None:
     # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton);
     # the multi-process tests of kpt.distributed are the `distributed` session's
     for package in PACKAGES:
-        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests",
-                    f"--ignore={DISTRIBUTED_TESTS}", *session.posargs, env={"TRITON_INTERPRET": "1"})
+        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
+                    env={"TRITON_INTERPRET": "1"})
 
 
 DISTRIBUTED_TESTS = "packages/kpt-core/tests/test_distributed.py"
 
 
-@nox.session
+@nox.session(default=False)
 def distributed(session: nox.Session) -> None:
-    """kpt.distributed on the CPU: every kernel's DTensor sharding rules and the vocabulary-parallel
-    losses against the single-process results, in gloo groups of 2 and 4 processes (reference
-    backend)."""
+    """kpt.distributed on the CPU alone (the `tests` session runs it too): every kernel's DTensor
+    sharding rules and the vocabulary-parallel losses against the single-process results, in gloo
+    groups of 2 and 4 processes (reference backend)."""
     _install(session, extra=("numpy",))  # torch's DTensor debug tools (counting collectives) import it
     session.run("pytest", "-q", "-p", "no:cacheprovider", DISTRIBUTED_TESTS, *session.posargs)
 
@@ -193,22 +193,30 @@ def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
     Python snippets (transformers installed for the one that patches a model); mypy over a user's
-    first script (tests/)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy", "transformers"))
+    first script (tests/); then the `models` tests in the same environment."""
+    _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
+    _models(session)
 
 
-@nox.session
+USAGE_EXTRA = ("numpy", "mypy", "transformers", "accelerate", "matplotlib")
+
+
+def _models(session: nox.Session) -> None:
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", env=CUDA_ENV)
+
+
+@nox.session(default=False)
 def models(session: nox.Session) -> None:
-    """`kpt.patch` on tiny random-initialised transformers models of every supported family:
-    patched and unpatched forward, loss, gradients and a training step agree, on the reference
-    backend and on the cuda backend (through Triton's interpreter on a CPU machine); the auto
-    loader and the transformers Trainer on a patched model; scripts/train_llama.py --tiny."""
-    _install(session, "kpt-triton", "kpt-cuda", "kpt-fpga-sim",
-             extra=("numpy", "transformers", "accelerate", "matplotlib"))
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", *session.posargs, env=CUDA_ENV)
+    """`kpt.patch` on tiny random-initialised transformers models of every supported family
+    (the `usage` session runs it too): patched and unpatched forward, loss, gradients and a training
+    step agree, on the reference backend and on the cuda backend (through Triton's interpreter on
+    a CPU machine); the auto loader and the transformers Trainer on a patched model;
+    scripts/train_llama.py --tiny."""
+    _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
+    _models(session)
 
 
 @nox.session
