@@ -26,6 +26,7 @@ nox.options.reuse_existing_virtualenvs = False
 CONSTRAINTS = ("-c", "constraints/ci.txt")
 HAS_NVIDIA_GPU = shutil.which("nvidia-smi") is not None
 HAS_AMD_GPU = shutil.which("rocminfo") is not None
+HAS_INTEL_GPU = shutil.which("xpu-smi") is not None
 
 # without a GPU the Triton kernels run on CPU tensors through Triton's interpreter (which needs numpy)
 CUDA_ENV = {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}
@@ -33,24 +34,30 @@ CUDA_EXTRA = () if HAS_NVIDIA_GPU else ("numpy",)
 # kpt-rocm likewise, with the tuning of the arch that KPT_ROCM_ARCH names (default gfx942)
 ROCM_ENV = {} if HAS_AMD_GPU else {"TRITON_INTERPRET": "1"}
 ROCM_EXTRA = () if HAS_AMD_GPU else ("numpy",)
+# kpt-xpu likewise, with the tuning of the arch that KPT_XPU_ARCH names (default pvc, the Max series)
+XPU_ENV = {} if HAS_INTEL_GPU else {"TRITON_INTERPRET": "1"}
+XPU_EXTRA = () if HAS_INTEL_GPU else ("numpy",)
 
 # conformance profile -> (backend name, packages to install, other requirements, environment); a
 # profile is named as its backend names its configuration (`kpt.Backend.conformance_profile`): the
 # report goes to reports/<profile>/ and the expected failures are conformance/xfails/<profile>.txt
 CUDA_PROFILE = "cuda" if HAS_NVIDIA_GPU else "cuda-interpret"
 ROCM_PROFILE = "rocm" if HAS_AMD_GPU else "rocm-interpret"
+XPU_PROFILE = "xpu" if HAS_INTEL_GPU else "xpu-interpret"
 PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
     "reference": ("reference", (), (), {}),
     CUDA_PROFILE: ("cuda", ("kpt-triton", "kpt-cuda"), CUDA_EXTRA, CUDA_ENV),
     ROCM_PROFILE: ("rocm", ("kpt-triton", "kpt-rocm"), ROCM_EXTRA, ROCM_ENV),
+    XPU_PROFILE: ("xpu", ("kpt-triton", "kpt-xpu"), XPU_EXTRA, XPU_ENV),
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
 }
 # profiles that CI runs as a representative cut (bfloat16 numerics, every contract and bad-input
 # test); `nox -s "conformance(profile='rocm-interpret')" -- -k ""` runs the whole suite
-CUTS = {"rocm-interpret": ("-k", "bfloat16 or not test_numerics")}
+BFLOAT16_CUT = ("-k", "bfloat16 or not test_numerics")
+CUTS = {"rocm-interpret": BFLOAT16_CUT, "xpu-interpret": BFLOAT16_CUT}
 BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
-PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-fpga-sim")
+PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu", "kpt-fpga-sim")
 EXAMPLE = "examples/kpt-example"
 
 
@@ -64,12 +71,27 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's unit tests on the CPU (Triton kernels through the interpreter)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy",), editable=True)
-    # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton)
+    """Every package's unit tests on the CPU (Triton kernels through the interpreter), with the
+    optional rich of kpt-core[cli] (its plain fallback is tested by hiding it)."""
+    # matplotlib: kpt-core's roofline test draws a recorded benchmark run
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib", "rich"), editable=True)
+    # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton);
+    # the multi-process tests of kpt.distributed are the `distributed` session's
     for package in PACKAGES:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
                     env={"TRITON_INTERPRET": "1"})
+
+
+DISTRIBUTED_TESTS = "packages/kpt-core/tests/test_distributed.py"
+
+
+@nox.session(default=False)
+def distributed(session: nox.Session) -> None:
+    """kpt.distributed on the CPU alone (the `tests` session runs it too): every kernel's DTensor
+    sharding rules and the vocabulary-parallel losses against the single-process results, in gloo
+    groups of 2 and 4 processes (reference backend)."""
+    _install(session, extra=("numpy",))  # torch's DTensor debug tools (counting collectives) import it
+    session.run("pytest", "-q", "-p", "no:cacheprovider", DISTRIBUTED_TESTS, *session.posargs)
 
 
 @nox.session
@@ -98,7 +120,7 @@ def newest(session: nox.Session) -> None:
     editable = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
     session.install("-c", str(constraints), "pytest", "numpy", *editable)
     interpret = {"TRITON_INTERPRET": "1"}
-    for package in ("kpt-triton", "kpt-cuda", "kpt-rocm"):
+    for package in ("kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu"):
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", env=interpret)
     session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--report", "reports/newest-cuda-interpret",
                 "--xfails", "conformance/xfails", env=interpret)
@@ -171,11 +193,31 @@ def aot(session: nox.Session) -> None:
 def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
-    Python snippets; mypy over a user's first script (tests/)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy"))
+    Python snippets (transformers installed for the one that patches a model); mypy over a user's
+    first script (tests/); then the `models` tests in the same environment."""
+    _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
+    _models(session)
+
+
+USAGE_EXTRA = ("numpy", "mypy", "transformers", "accelerate", "matplotlib")
+
+
+def _models(session: nox.Session) -> None:
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", env=CUDA_ENV)
+
+
+@nox.session(default=False)
+def models(session: nox.Session) -> None:
+    """`kpt.patch` on tiny random-initialised transformers models of every supported family
+    (the `usage` session runs it too): patched and unpatched forward, loss, gradients and a training
+    step agree, on the reference backend and on the cuda backend (through Triton's interpreter on
+    a CPU machine); the auto loader and the transformers Trainer on a patched model;
+    scripts/train_llama.py --tiny."""
+    _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
+    _models(session)
 
 
 @nox.session

@@ -15,6 +15,7 @@ import abc
 import difflib
 import functools
 import re
+import sys
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ class Backend(KernelMethods):
         bound_kernels = self._bound
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
+        if not traced and (dtensors := _distributed(self, values, tensors)) is not None:
+            values, traced = dtensors, True
         if spec.check_values is not None and not traced and values_checked(self.checks_values):
             spec.check_values(bound)
         if traced:
@@ -181,6 +184,22 @@ class Backend(KernelMethods):
             out = bound_kernels.kernels[kernel].forward(*values)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
+
+
+def _distributed(backend: Backend, values: list[Any], tensors: list[torch.Tensor]) -> list[Any] | None:
+    """Where a tensor is a DTensor: ``values`` with every other tensor made a replicated DTensor
+    on its mesh (a norm's weight, a loss's targets), for the op, which DTensor runs on each rank's
+    shard by `kpt.distributed`'s rules (registered here the first time; a call compiled before
+    any eager one finds them once ``kpt.distributed`` is imported). None where there is none. As
+    under ``torch.compile``, index values are not checked: they would be read from every shard."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    mesh = next((t.device_mesh for t in tensors if isinstance(t, dtensor.DTensor)), None) if dtensor else None
+    if mesh is None:
+        return None
+    from . import distributed
+
+    distributed.register_rules(backend.op_namespace)
+    return [distributed.replicated(v, mesh) for v in values]
 
 
 def unknown_kernel(name: str) -> str:

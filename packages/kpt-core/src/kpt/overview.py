@@ -25,9 +25,10 @@ def _call(name: str) -> str:
     return f"{name}({', '.join(p.name if p.default is p.empty else f'{p.name}={p.default!r}' for p in params)})"
 
 
-def info() -> str:
-    """Versions, the installed backends (`list_backends`), the one `get_backend` picks here, and
-    the kernels with their parameters."""
+def info(backends: str | None = None) -> str:
+    """Versions, the installed backends (`list_backends`, or ``backends`` when given: the same
+    table rendered otherwise), the one `get_backend` picks here, and the kernels with their
+    parameters."""
     from . import __version__
 
     try:
@@ -38,7 +39,7 @@ def info() -> str:
         f"kpt {__version__} (kernel contract v{CONTRACT_VERSION}), torch {torch.__version__}, "
         f"Python {platform.python_version()}",
         "",
-        list_backends().table(),
+        list_backends().table() if backends is None else backends,
         "",
         f"kpt.get_backend() here: {chosen}",
         "",

@@ -1,4 +1,4 @@
-"""`TritonBackend`: the base of every vendor backend built on these kernels (kpt-cuda, kpt-rocm).
+"""`TritonBackend`: the base of every vendor backend built on these kernels (kpt-cuda, kpt-rocm, kpt-xpu).
 
 A vendor package fills in only what differs per vendor::
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import functools
 import importlib
+import inspect
 import os
 import types
 from collections.abc import Callable, Mapping
@@ -55,6 +56,15 @@ def portable_modules() -> dict[str, types.ModuleType]:
     """The kpt_triton module of each contract kernel: the one named like its spec's family."""
     return {name: importlib.import_module(f"kpt_triton.{spec.forward.__module__.rsplit('.', 1)[-1]}")
             for name, spec in kpt.SPECS.items()}
+
+
+def tuning_parameters() -> dict[str, frozenset[str]]:
+    """The keyword-only tuning parameters of every portable launcher, by launcher name: what a
+    tuning table may set (a table built from this list covers every kernel of ``kpt.SPECS``)."""
+    bodies = [f for k in kpt.kernels_from(*dict.fromkeys(portable_modules().values())).values()
+              for f in (k.forward, k.backward) if f is not None]
+    return {f.__name__: frozenset(n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY)
+            for f in bodies}
 
 
 class Tuned:
@@ -159,7 +169,7 @@ class TritonBackend(kpt.Backend):
         return interpreted()
 
     def device(self) -> torch.device:
-        return torch.device("cpu") if interpreted() else torch.device("cuda")
+        return torch.device("cpu") if interpreted() else torch.device(self.device_type)
 
     @property
     def conformance_profile(self) -> str:
