@@ -18,7 +18,7 @@ def test_unfused_linear_matches_the_reference(activation, bias):
     x = torch.randn(3, 5, 24, generator=g)
     w = torch.randn(40, 24, generator=g) / 5
     b = torch.randn(40, generator=g) if bias else None
-    y, pre = linear.linear_fwd(x, w, b, activation, block_m=16)  # GEMM tiles are accepted, unused
+    y, pre = linear.linear_fwd(x, w, b, activation)
     expected = kpt.get_backend("reference").linear(x.double(), w.double(), None if b is None else b.double(),
                                                    activation=activation)
     torch.testing.assert_close(y, expected.float(), rtol=1e-5, atol=1e-5)

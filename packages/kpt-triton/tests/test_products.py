@@ -11,7 +11,6 @@ from conftest import check_kernel, device
 from kpt.kernels.moe import GROUPED_LINEAR
 from kpt.spec import randn, strided, transposed
 from kpt_triton import products as p
-from kpt_triton.activations import activation_fwd
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 
@@ -33,9 +32,9 @@ def test_linear(dtype, shape, activation):
 
 
 def test_relu_epilogue_passes_nan_on():
-    pre = torch.tensor([[float("nan"), -1.0, -0.0, 0.0, 2.0]], device=device())
-    y = activation_fwd("relu", pre)
-    assert y[0, 0].isnan() and y[0, 1:].tolist() == [0.0, 0.0, 0.0, 2.0]
+    x = torch.tensor([[float("nan")], [-1.0], [-0.0], [0.0], [2.0]], device=device())
+    y, _ = p.linear_fwd(x, torch.ones(1, 1, device=device()), None, "relu")
+    assert y[0, 0].isnan() and y[1:, 0].tolist() == [0.0, 0.0, 0.0, 2.0]
 
 
 OFFSETS = {  # rows, experts, offsets: as drawn, or bad values the contract clamps (expert_bounds)

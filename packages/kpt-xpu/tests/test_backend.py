@@ -9,7 +9,7 @@ import types
 import kpt_xpu
 import pytest
 import torch
-from kpt_xpu import device, moe, plugin, tuning
+from kpt_xpu import device, plugin, tuning
 
 import kpt
 
@@ -39,7 +39,8 @@ def test_every_contract_kernel_is_wired(monkeypatch, interpret):
     for name, k in kernels.items():
         assert k.forward.__name__ == f"{name}_fwd"
         home = k.forward.__module__
-        assert home == moe.__name__ if name == "grouped_linear" else home.startswith("kpt_triton."), (name, home)
+        products = name in ("linear", "grouped_linear")
+        assert home == "kpt_triton.products" if products else home.startswith("kpt_triton."), (name, home)
 
 
 # what a CPU-only or CUDA torch, and a torch older than torch.xpu, leave kpt_xpu to find, with

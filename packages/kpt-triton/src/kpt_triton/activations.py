@@ -61,7 +61,7 @@ def _act_fwd_kernel(
     X, UP, Y,  # UP only with GATED; Y is contiguous [R, D]
     R, D,
     stride_xr, stride_xc, stride_ur, stride_uc,
-    ACT: tl.constexpr,  # "relu", "gelu", "gelu_tanh" or "silu"
+    ACT: tl.constexpr,  # "gelu", "gelu_tanh" or "silu"
     GATED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -125,12 +125,6 @@ def _backward(act, x, up, dy, block, elems_per_warp):
             num_warps=warps(block_r * block_d, elems_per_warp),
         )
     return (dx,) if up is None else (dx, dup)
-
-
-def activation_fwd(act: str, x: torch.Tensor, *, block: int = 4096, elems_per_warp: int = 512) -> torch.Tensor:
-    """``act(x)`` (``act``: "relu", "gelu", "gelu_tanh" or "silu") in one pass, in x's dtype: the
-    epilogue of a product computed elsewhere (`kpt_triton.products`)."""
-    return _forward(act, x, None, block, elems_per_warp)[0]
 
 
 def _gelu(approximate: str) -> str:

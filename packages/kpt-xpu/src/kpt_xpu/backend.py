@@ -1,20 +1,19 @@
 """`XpuBackend`: the portable Triton kernels of kpt-triton, tuned per Intel GPU architecture.
 
 Only wiring on `kpt_triton.backend.TritonBackend`: device detection in `device`, tuning tables
-in `tuning`. The products run through torch, i.e. oneDNN on an Intel GPU: ``linear`` (its plain
-GEMM; with an activation, kpt-triton's fused GEMM), ``grouped_linear`` (one GEMM per expert,
-`moe`) and ``fp8_linear`` (both operands dequantized by a Triton kernel, then one GEMM: none of
-these GPUs multiplies float8).
+in `tuning`. The products run through torch, i.e. oneDNN on an Intel GPU (`torch_products`:
+``linear`` and ``grouped_linear`` from `kpt_triton.products`, under the interpreter too, since torch
+runs them on CPU tensors as well), and ``fp8_linear`` dequantizes both operands in a Triton kernel,
+then runs one GEMM (none of these GPUs multiplies float8).
 """
 
 from __future__ import annotations
 
 import torch
 
-import kpt
 from kpt_triton.backend import TritonBackend
 
-from . import device, moe, tuning
+from . import device, tuning
 
 
 class XpuBackend(TritonBackend):
@@ -23,6 +22,7 @@ class XpuBackend(TritonBackend):
     device_type = "xpu"
     priority = 100
     tables = tuning.TABLES
+    torch_products = True
 
     def device_status(self) -> tuple[bool, str]:
         return device.status()
@@ -32,11 +32,6 @@ class XpuBackend(TritonBackend):
 
     def interpreter_arch(self) -> str:
         return device.interpreter_arch()
-
-    def kernels(self) -> dict[str, kpt.Kernel]:
-        """kpt-triton's bodies, with torch's (oneDNN) ``grouped_linear`` in place of the Triton
-        grouped GEMM, under the interpreter too: torch runs it on CPU tensors as well."""
-        return {**super().kernels(), **kpt.kernels_from(moe)}
 
     def device_facts(self) -> dict[str, str]:
         return device.facts()
