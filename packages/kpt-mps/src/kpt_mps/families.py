@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import rms_norm
+from . import activations, layer_norm, rms_norm, softmax
 
-FAMILIES = (rms_norm,)
+FAMILIES = (rms_norm, layer_norm, softmax, activations)

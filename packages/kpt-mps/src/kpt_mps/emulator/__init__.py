@@ -83,7 +83,9 @@ def _parameters(text: str, start: int) -> list[str]:
 
 def translate(source: str, origin: str = "<metal>") -> tuple[str, list[str]]:
     """The C++ translation unit of ``source`` and its kernel names; `BuildError` outside the subset."""
-    body = _TG_DECL.sub(lambda m: f"KPT_THREADGROUP({m[1]}, {m[2]}, {m[3]});", source)
+    # comments out (keeping line numbers): "threadgroup" in prose is no declaration
+    body = re.sub(r"//[^\n]*|/\*.*?\*/", lambda m: "\n" * m[0].count("\n"), source, flags=re.S)
+    body = _TG_DECL.sub(lambda m: f"KPT_THREADGROUP({m[1]}, {m[2]}, {m[3]});", body)
     body = _TG_POINTER.sub(lambda m: f"::mtl::emu::tg_ptr<{m[1]}> ", body)
     stray = re.search(r"\bthreadgroup\b(?!_)", body)
     if stray:
