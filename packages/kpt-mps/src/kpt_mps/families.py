@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import activations, layer_norm, rms_norm, softmax
+from . import activations, cross_entropy, layer_norm, linear, rms_norm, rope, softmax
 
-FAMILIES = (rms_norm, layer_norm, softmax, activations)
+FAMILIES = (rms_norm, layer_norm, softmax, activations, rope, linear, cross_entropy)
