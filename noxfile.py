@@ -45,12 +45,15 @@ PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]
     ROCM_PROFILE: ("rocm", ("kpt-triton", "kpt-rocm"), ROCM_EXTRA, ROCM_ENV),
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
+    # kpt-mps's Metal shaders through its emulator (the system C++ compiler) on CPU tensors: a
+    # simulator like cuda-interpret, never picked automatically; on a Mac, scripts/mps_check.sh
+    "mps-emulate": ("mps", ("kpt-mps",), (), {"KPT_MPS_EMULATE": "1"}),
 }
 # profiles that CI runs as a representative cut (bfloat16 numerics, every contract and bad-input
 # test); `nox -s "conformance(profile='rocm-interpret')" -- -k ""` runs the whole suite
 CUTS = {"rocm-interpret": ("-k", "bfloat16 or not test_numerics")}
 BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
-PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-fpga-sim")
+PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-fpga-sim", "kpt-mps")
 EXAMPLE = "examples/kpt-example"
 
 

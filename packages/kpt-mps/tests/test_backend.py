@@ -3,13 +3,13 @@ from __future__ import annotations
 import sys
 from importlib import resources
 
+import kpt_mps
 import pytest
 import torch
-
-import kpt
-import kpt_mps
 from kpt_mps import device, metal, plugin
 from kpt_mps.families import FAMILIES
+
+import kpt
 
 
 def test_plugin_returns_one_backend():

@@ -30,7 +30,8 @@ class MpsBackend(kpt.Backend):
         if metal.emulated():
             return True, ""
         available, why = device.status()
-        return available, why if available else f"{why} (KPT_MPS_EMULATE=1 runs the shaders in the Metal emulator on CPU tensors)"
+        hint = "KPT_MPS_EMULATE=1 runs the shaders in the Metal emulator on CPU tensors"
+        return available, why if available else f"{why} ({hint})"
 
     def kernels(self) -> dict[str, kpt.Kernel]:
         return kpt.kernels_from(*FAMILIES)

@@ -17,7 +17,8 @@ def layer_norm_fwd(x, weight, bias, eps):
     rstd = torch.empty_like(mean)
     metal.rows("layer_norm", "layer_norm_fwd",
                [x2, metal.buffer(weight, x), metal.buffer(bias, x), y, mean, rstd,
-                metal.ints(d, metal.code(x), metal.code(weight), metal.code(bias), like=x), metal.floats(eps, like=x)], n)
+                metal.ints(d, metal.code(x), metal.code(weight), metal.code(bias), like=x),
+                metal.floats(eps, like=x)], n)
     return y.reshape(x.shape), mean, rstd
 
 
@@ -27,7 +28,8 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy):
     dy2 = flat(dy).contiguous()
     dx = torch.empty_like(x2)
     metal.rows("layer_norm", "layer_norm_bwd",
-               [x2, metal.buffer(weight, x), dy2, mean, rstd, dx, metal.ints(d, metal.code(x), metal.code(weight), like=x)], n)
+               [x2, metal.buffer(weight, x), dy2, mean, rstd, dx,
+                metal.ints(d, metal.code(x), metal.code(weight), like=x)], n)
     dw = torch.empty(d, dtype=weight.dtype, device=x.device) if weight is not None else x.new_empty(0)
     db = torch.empty(d, dtype=bias.dtype, device=x.device) if bias is not None else x.new_empty(0)
     if weight is not None or bias is not None:

@@ -26,8 +26,8 @@ def moe_gating_fwd(logits, k, renormalize):
     tokens, experts = z.shape
     weights = torch.empty(tokens, k, dtype=torch.float32, device=z.device)
     indices = torch.empty(tokens, k, dtype=torch.int32, device=z.device)
-    metal.rows("moe", "moe_gating_fwd", [z, weights, indices, metal.ints(experts, k, metal.code(z), renormalize, like=z)],
-               tokens)
+    metal.rows("moe", "moe_gating_fwd",
+               [z, weights, indices, metal.ints(experts, k, metal.code(z), renormalize, like=z)], tokens)
     return weights, indices
 
 
@@ -52,8 +52,9 @@ def moe_dispatch_fwd(x, indices, num_experts):
     metal.launch("moe", "moe_dispatch_offsets", [flat, offsets, metal.ints(pairs, num_experts, like=x)],
                  _threads(num_experts + 1), metal.ROW_THREADS)
     x_sorted = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    metal.elements("moe", "moe_gather", [x.contiguous(), order, x_sorted,
-                                         metal.ints(x_sorted.numel(), hidden, k, metal.code(x), like=x)], x_sorted.numel())
+    metal.elements("moe", "moe_gather",
+                   [x.contiguous(), order, x_sorted, metal.ints(x_sorted.numel(), hidden, k, metal.code(x), like=x)],
+                   x_sorted.numel())
     return x_sorted, offsets, order
 
 

@@ -24,6 +24,9 @@ def rope_fwd(q, k, cos, sin):
 
 
 def rope_bwd(q, k, cos, sin, q_out, k_out, dq_out, dk_out):
-    dq = _rotate(dq_out, cos, sin, True) if dq_out is not None else torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk = _rotate(dk_out, cos, sin, True) if dk_out is not None else torch.zeros_like(k, memory_format=torch.contiguous_format)
-    return dq, dk
+    def grad(t, dout):
+        if dout is None:
+            return torch.zeros_like(t, memory_format=torch.contiguous_format)
+        return _rotate(dout, cos, sin, True)
+
+    return grad(q, dq_out), grad(k, dk_out)

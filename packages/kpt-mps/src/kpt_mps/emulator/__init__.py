@@ -152,8 +152,8 @@ def build(source: str, origin: str = "<metal>") -> Path:
         src = Path(tmp) / "unit.cpp"
         src.write_text(unit)
         out = Path(tmp) / target.name
-        done = subprocess.run([cxx, *FLAGS, "-I", str(INCLUDE), "-include", "kpt_metal_shim.h", str(src), "-o", str(out)],
-                              capture_output=True, text=True)
+        command = [cxx, *FLAGS, "-I", str(INCLUDE), "-include", "kpt_metal_shim.h", str(src), "-o", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise BuildError(f"{origin} does not compile in the Metal emulator (outside the supported subset?):\n"
                              + done.stderr[-6000:])
