@@ -49,9 +49,12 @@ PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]
     # simulator like cuda-interpret, never picked automatically; on a Mac, scripts/mps_check.sh
     "mps-emulate": ("mps", ("kpt-mps",), (), {"KPT_MPS_EMULATE": "1"}),
 }
-# profiles that CI runs as a representative cut (bfloat16 numerics, every contract and bad-input
-# test); `nox -s "conformance(profile='rocm-interpret')" -- -k ""` runs the whole suite
-CUTS = {"rocm-interpret": ("-k", "bfloat16 or not test_numerics")}
+# profiles that CI runs as a representative cut (every contract and bad-input test, and the numerics
+# of one dtype: bfloat16 for rocm; float32, the tightest check of the shaders' math, for mps, with the
+# float32-parameter cases of 16-bit activations); `nox -s "conformance(profile='rocm-interpret')" -- -k ""`
+# runs the whole suite
+CUTS = {"rocm-interpret": ("-k", "bfloat16 or not test_numerics"),
+        "mps-emulate": ("-k", "float32 or fp32_ or not test_numerics")}
 BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
 PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-fpga-sim", "kpt-mps")
 EXAMPLE = "examples/kpt-example"
