@@ -1,5 +1,6 @@
-"""Attention bodies (``shaders/attention.metal``): forward with its log-sum-exp, then the
-backward in two dispatches (dq with the row statistic delta, then dk and dv)."""
+"""Attention bodies (``shaders/attention.metal``): the forward (one simdgroup per block of 8
+queries, 8×8 simdgroup_matrix products) with its log-sum-exp, then the backward in two dispatches
+(dq with the row statistic delta, then dk and dv)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def attention_fwd(q, k, v, causal, scale):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    metal.launch("attention", "attention_fwd", [q, k, v, o, lse, *_params(q, k, causal, scale)],
-                 _threads(lse.numel()), metal.ROW_THREADS)
+    blocks = q.shape[0] * q.shape[1] * -(-q.shape[2] // 8)
+    metal.launch("attention", "attention_fwd", [q, k, v, o, lse, *_params(q, k, causal, scale)], blocks * 32, 32)
     return o, lse
 
 

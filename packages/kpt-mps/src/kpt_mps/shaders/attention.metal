@@ -1,36 +1,108 @@
-// Attention with grouped-query heads and a bottom-right causal mask: one thread per query row
-// (forward, dq) or key row (dk, dv), online softmax over the keys (kpt.kernels.attention's math).
+// Attention with grouped-query heads and a bottom-right causal mask (kpt.kernels.attention's math):
+// the forward tiled with 8×8 simdgroup_matrix products and an online softmax; the backward one
+// thread per query row (dq) or key row (dk, dv).
 // q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], query head h reads key/value head h / (Hq / Hkv);
 // query i sees keys j <= i + Skv − Sq (causal). A query that sees no key gives o = 0, lse = −∞.
 
 constant int MAX_HEAD_DIM = 256;
 
+// The forward: one simdgroup (32 threads) per block of 8 queries of one (batch, head). Over key
+// blocks of 8: S = Q·Kᵀ as 8×8 simdgroup_matrix products over the head dimension (padded to a
+// multiple of 8 with zeros), the online softmax on the score tile (a lane per query row), then
+// O = O·correction + P·V, again by 8×8 products. Threadgroup memory: Q, the K then V tile, O
+// (3 × 8 × 256 floats = 24 KB) and the score tile.
 // ip: B, Hq, Hkv, Sq, Skv, D, causal, dtype code; fp: scale
 kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const uchar* k [[buffer(1)]],
                           device const uchar* v [[buffer(2)]], device uchar* o [[buffer(3)]],
                           device float* lse [[buffer(4)]], constant long* ip [[buffer(5)]],
-                          constant float* fp [[buffer(6)]], uint idx [[thread_position_in_grid]]) {
+                          constant float* fp [[buffer(6)]], uint blk [[threadgroup_position_in_grid]],
+                          uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float qs[8 * MAX_HEAD_DIM];
+  threadgroup float kvs[8 * MAX_HEAD_DIM];
+  threadgroup float os[8 * MAX_HEAD_DIM];
+  threadgroup float ss[64];
+  threadgroup float stat[24];  // per query row: running max, running sum, this block's correction
   long hq = ip[1], hkv = ip[2], sq = ip[3], skv = ip[4], d = ip[5];
   bool causal = ip[6] != 0;
   int xc = int(ip[7]);
-  if (long(idx) >= ip[0] * hq * sq) return;
-  long i = long(idx) % sq, h = (long(idx) / sq) % hq, b = long(idx) / (sq * hq);
-  long kv = (b * hkv + h / (hq / hkv)) * skv * d;
-  long last = causal ? min(i + skv - sq, skv - 1) : skv - 1;
-  float qv[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
-  for (long c = 0; c < d; ++c) { qv[c] = load(q, long(idx) * d + c, xc); acc[c] = 0.0f; }
-  float m = -INFINITY, l = 0.0f, scale = fp[0];
-  for (long j = 0; j <= last; ++j) {
-    float s = 0.0f;
-    for (long c = 0; c < d; ++c) s += qv[c] * load(k, kv + j * d + c, xc);
-    s *= scale;
-    float m_new = max(m, s), correction = precise::exp(m - m_new), p = precise::exp(s - m_new);
-    l = l * correction + p;
-    for (long c = 0; c < d; ++c) acc[c] = acc[c] * correction + p * load(v, kv + j * d + c, xc);
-    m = m_new;
+  float scale = fp[0];
+  long dp = (d + 7) / 8 * 8, blocks = (sq + 7) / 8;
+  long i0 = long(blk) % blocks * 8, bh = long(blk) / blocks, h = bh % hq, b = bh / hq;
+  long qbase = bh * sq * d, kv = (b * hkv + h / (hq / hkv)) * skv * d;
+  for (long e = lane; e < 8 * dp; e += 32) {
+    long r = e / dp, c = e % dp;
+    qs[e] = (i0 + r < sq && c < d) ? load(q, qbase + (i0 + r) * d + c, xc) : 0.0f;
+    os[e] = 0.0f;
   }
-  for (long c = 0; c < d; ++c) store(o, long(idx) * d + c, xc, l > 0.0f ? acc[c] / l : 0.0f);
-  lse[idx] = l > 0.0f ? m + precise::log(l) : -INFINITY;
+  if (lane < 8) { stat[lane] = -INFINITY; stat[8 + lane] = 0.0f; }
+  long last_key = causal ? min(min(i0 + 7, sq - 1) + skv - sq, skv - 1) : skv - 1;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (long j0 = 0; j0 <= last_key; j0 += 8) {
+    for (long e = lane; e < 8 * dp; e += 32) {
+      long r = e / dp, c = e % dp;
+      kvs[e] = (j0 + r < skv && c < d) ? load(k, kv + (j0 + r) * d + c, xc) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    simdgroup_float8x8 qm, km;
+    for (long c = 0; c < dp; c += 8) {
+      simdgroup_load(qm, qs + c, dp);
+      simdgroup_load(km, kvs + c, dp, ulong2(0, 0), true);
+      simdgroup_multiply_accumulate(acc, qm, km, acc);
+    }
+    simdgroup_store(acc, ss + 0, 8);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (long e = lane; e < 8 * dp; e += 32) {
+      long r = e / dp, c = e % dp;
+      kvs[e] = (j0 + r < skv && c < d) ? load(v, kv + (j0 + r) * d + c, xc) : 0.0f;
+    }
+    if (lane < 8) {
+      long i = i0 + lane, last = causal ? i + skv - sq : skv - 1;
+      float sv[8];
+      float m = stat[lane], block_max = -INFINITY;
+      for (int j = 0; j < 8; ++j) {
+        float sc = ss[lane * 8 + j];
+        sv[j] = (i < sq && j0 + j <= last && j0 + j < skv) ? sc * scale : -INFINITY;
+        block_max = max(block_max, sv[j]);
+      }
+      float m_new = max(m, block_max);
+      float correction = m_new == -INFINITY ? 1.0f : precise::exp(m - m_new);
+      float sum = 0.0f;
+      for (int j = 0; j < 8; ++j) {
+        float p = sv[j] == -INFINITY ? 0.0f : precise::exp(sv[j] - m_new);
+        ss[lane * 8 + j] = p;
+        sum += p;
+      }
+      float running = stat[8 + lane];
+      stat[lane] = m_new;
+      stat[8 + lane] = running * correction + sum;
+      stat[16 + lane] = correction;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (long e = lane; e < 8 * dp; e += 32) os[e] = float(os[e]) * float(stat[16 + e / dp]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    simdgroup_float8x8 pm, vm, om;
+    simdgroup_load(pm, ss + 0, 8);
+    for (long c = 0; c < dp; c += 8) {
+      simdgroup_load(om, os + c, dp);
+      simdgroup_load(vm, kvs + c, dp);
+      simdgroup_multiply_accumulate(om, pm, vm, om);
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // every lane has read the tile before it is overwritten
+      simdgroup_store(om, os + c, dp);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (long e = lane; e < 8 * dp; e += 32) {
+    long r = e / dp, c = e % dp;
+    if (i0 + r < sq && c < d) {
+      float l = stat[8 + r];
+      store(o, qbase + (i0 + r) * d + c, xc, l > 0.0f ? float(os[e]) / l : 0.0f);
+    }
+  }
+  if (lane < 8 && i0 + lane < sq) {
+    float l = stat[8 + lane];
+    lse[bh * sq + i0 + lane] = l > 0.0f ? float(stat[lane]) + precise::log(l) : -INFINITY;
+  }
 }
 
 // Thread per query row: delta = Σ dO · O, dq = scale · Σ_j p (dO · v_j − delta) k_j.

@@ -411,6 +411,100 @@ KPT_SIMD_SHUFFLE(simd_shuffle_down, shuffle_down)
 KPT_SIMD_SHUFFLE(simd_shuffle_up, shuffle_up)
 #undef KPT_SIMD_SHUFFLE
 
+// ---- simdgroup matrices (8x8): every lane holds the whole matrix; the product is collective ----
+struct ulong2 {
+  ulong x, y;
+  ulong2(ulong a = 0, ulong b = 0) : x(a), y(b) {}
+};
+
+template <class T, int R, int C> struct simdgroup_matrix {
+  static_assert(R == 8 && C == 8, "the emulator has 8x8 simdgroup matrices only");
+  T e[64];
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+
+template <class T, int R, int C> inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T v) {
+  simdgroup_matrix<T, R, C> m;
+  for (int i = 0; i < 64; ++i) m.e[i] = v;
+  return m;
+}
+
+// the raw elements behind a matrix function's pointer: a device pointer as it is; threadgroup
+// memory after a bounds check of the block, with the race check recording the calling lane's
+// share of the elements only (lane l: elements 2l and 2l + 1, row-major), as the GPU's lanes read
+template <class T> inline const T* mat_source(const T* src, long, long, const long*) { return src; }
+template <class T> inline const T* mat_source(emu::tg_ptr<T> src, long lo, long hi, const long* own) {
+  src.region->check(src.offset + int(lo));
+  src.region->check(src.offset + int(hi));
+  for (int k = 0; k < 2; ++k) src.region->read(src.offset + int(own[k]));
+  return src.data + src.offset;
+}
+
+// m(r, c) = src[(origin.y + r) · stride + origin.x + c], or the transpose of that block; every lane
+// holds the whole matrix
+template <class T, class P>
+inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& m, P src, ulong stride = 8, ulong2 origin = ulong2(0, 0),
+                           bool transpose = false) {
+  long at[64];
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 8; ++c)
+      at[r * 8 + c] = (long(origin.y) + (transpose ? c : r)) * long(stride) + long(origin.x) + (transpose ? r : c);
+  int lane = int(emu::current()->lid % emu::SIMD);
+  long own[2] = {at[2 * lane], at[2 * lane + 1]};
+  const auto* data = mat_source(src, at[0], at[63], own);
+  for (int e = 0; e < 64; ++e) m.e[e] = T(data[at[e]]);
+}
+
+// each lane stores its share of the elements (lane l: elements 2l and 2l + 1 in row-major order)
+template <class T, class P>
+inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, P dst, ulong stride = 8, ulong2 origin = ulong2(0, 0),
+                            bool transpose = false) {
+  int lane = int(emu::current()->lid % emu::SIMD);
+  for (int e = 2 * lane; e < 2 * lane + 2 && e < 64; ++e) {
+    int r = e / 8, c = e % 8;
+    long row = long(origin.y) + (transpose ? c : r), col = long(origin.x) + (transpose ? r : c);
+    dst[row * long(stride) + col] = m.e[r * 8 + c];
+  }
+}
+
+namespace emu {
+template <class T> struct MatOps {
+  typedef simdgroup_matrix<T, 8, 8> M;
+  struct Args { const M* a; const M* b; const M* c; };
+  static void mma(Fiber** l, int n) {
+    const Args* first = static_cast<const Args*>(l[0]->in);
+    for (int i = 1; i < n; ++i) {
+      const Args* other = static_cast<const Args*>(l[i]->in);
+      if (std::memcmp(other->a, first->a, sizeof(M)) || std::memcmp(other->b, first->b, sizeof(M)) ||
+          std::memcmp(other->c, first->c, sizeof(M))) {
+        if (run().error.empty())
+          run().error = "lanes 0 and " + std::to_string(i) + " of a simdgroup multiply different matrices " +
+                        "(simdgroup_multiply_accumulate must be uniform) (threadgroup " + std::to_string(run().group) + ")";
+        return;
+      }
+    }
+    M d;
+    for (int r = 0; r < 8; ++r)
+      for (int c = 0; c < 8; ++c) {
+        float acc = float(first->c->e[r * 8 + c]);
+        for (int k = 0; k < 8; ++k) acc += float(first->a->e[r * 8 + k]) * float(first->b->e[k * 8 + c]);
+        d.e[r * 8 + c] = T(acc);
+      }
+    for (int i = 0; i < n; ++i) *static_cast<M*>(l[i]->out) = d;
+  }
+};
+}  // namespace emu
+
+// d = a · b + c, computed once for the simdgroup (every lane must pass the same matrices)
+template <class T>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                                          const simdgroup_matrix<T, 8, 8>& b, const simdgroup_matrix<T, 8, 8>& c) {
+  typename emu::MatOps<T>::Args args{&a, &b, &c};
+  simdgroup_matrix<T, 8, 8> out;
+  emu::collective(emu::MatOps<T>::mma, &args, &out);
+  d = out;
+}
+
 namespace precise {
 inline float exp(float x) { return std::exp(x); }
 inline float exp2(float x) { return std::exp2(x); }
