@@ -71,6 +71,35 @@ kernel void out_of_bounds(device float* out [[buffer(0)]], uint lid [[thread_pos
   out[lid] = 0.0f;
 }
 
+kernel void matmul(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                   device float* out [[buffer(2)]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float tile[64];
+  simdgroup_float8x8 ma, mb, mc = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+  simdgroup_load(ma, a, 8);
+  simdgroup_load(mb, b, 8, ulong2(0, 0), true);
+  simdgroup_multiply_accumulate(mc, ma, mb, mc);
+  simdgroup_store(mc, tile + 0, 8);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[lane] = tile[63 - lane];
+  out[32 + lane] = tile[31 - lane];
+}
+
+kernel void matmul_racy(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                        device float* out [[buffer(2)]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float tile[64];
+  simdgroup_float8x8 ma;
+  simdgroup_load(ma, a, 8);
+  simdgroup_store(ma, tile + 0, 8);
+  out[lane] = tile[63 - lane];
+}
+
+kernel void matmul_divergent(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                             device float* out [[buffer(2)]], uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8, 8>(float(lane));
+  simdgroup_multiply_accumulate(m, m, m, m);
+  out[lane] = 0.0f;
+}
+
 kernel void uninitialized(device float* out [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
   threadgroup float tile[32];
   out[lid] = tile[lid % 32];
@@ -91,6 +120,24 @@ def test_simdgroup_functions_follow_metal():
     torch.testing.assert_close(out[:, 3].reshape(2, 32), lanes[:, torch.where(i + 4 < 32, i + 4, i)])
     torch.testing.assert_close(out[:, 4].reshape(2, 32), lanes.cumsum(1) - lanes)
     torch.testing.assert_close(out[:, 5].reshape(2, 32), lanes[:, 3:4].expand(2, 32))
+
+
+def test_simdgroup_matrix_product():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    out = torch.empty(64)
+    SIMD.dispatch("matmul", [a, b, out], 32, 32)
+    c = (a @ b.T + 1).reshape(64)  # b loaded transposed
+    lanes = torch.arange(32)
+    torch.testing.assert_close(out, torch.cat([c[63 - lanes], c[31 - lanes]]))
+
+
+@pytest.mark.parametrize("kernel, message", [
+    ("matmul_racy", r"race on tile\[\d+\]: thread \d+ (read|wrote) it and thread \d+ (read|wrote) it"),
+    ("matmul_divergent", "lanes 0 and 1 of a simdgroup multiply different matrices"),
+])
+def test_simdgroup_matrix_misuse_is_an_error(kernel, message):
+    with pytest.raises(DispatchError, match=message):
+        SIMD.dispatch(kernel, [torch.randn(8, 8), torch.randn(8, 8), torch.empty(64)], 32, 32)
 
 
 def test_threadgroup_memory_is_shared_within_a_group_after_a_barrier():
