@@ -71,7 +71,8 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's unit tests on the CPU (Triton kernels through the interpreter)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy",), editable=True)
+    # matplotlib: kpt-core's roofline test draws a recorded benchmark run
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib"), editable=True)
     # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton)
     for package in PACKAGES:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
