@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 ROW_THREADS = 256
-"""Threads per threadgroup of the row kernels (8 simdgroups of 32); ``shaders/common.metal`` agrees."""
+"""Threads per threadgroup of the row kernels (8 simdgroups of 32; their reductions take any count)."""
 
 MAX_GROUPS = 1024
 """Threadgroups of a grid-stride dispatch: each thread loops over elements beyond the first wave."""

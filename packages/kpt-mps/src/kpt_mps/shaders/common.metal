@@ -12,8 +12,6 @@ constant int BF16 = 2;
 constant int E4M3 = 3;
 constant int E5M2 = 4;
 
-constant int ROW_THREADS = 256;  // threads per threadgroup of the row kernels (8 simdgroups)
-
 // ---- float8 in software (Apple GPUs have no float8 arithmetic) -------------------------------
 inline float fp8_decode(uint b, int mbits, int bias, bool has_inf) {
   float sign = (b & 0x80u) ? -1.0f : 1.0f;
