@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -161,6 +162,9 @@ def build(source: str, origin: str = "<metal>") -> Path:
     return target
 
 
+_RUNNING = threading.Lock()
+
+
 class Library:
     """A compiled ``.metal`` source; ``dispatch`` runs one of its kernels on CPU tensors."""
 
@@ -186,5 +190,8 @@ class Library:
                 raise DispatchError(f"{kernel}: buffer {i} must be a contiguous CPU tensor")
         pointers = (ctypes.c_void_p * max(len(buffers), 1))(*(t.data_ptr() for t in buffers))
         err = ctypes.create_string_buffer(2048)
-        if threads and self._lib.kpt_emu_dispatch(fn, pointers, threads // group_size, group_size, err, len(err)):
+        with _RUNNING:  # one dispatch at a time: the fibers and their scheduler are process-wide
+            failed = threads and self._lib.kpt_emu_dispatch(fn, pointers, threads // group_size, group_size, err,
+                                                            len(err))
+        if failed:
             raise DispatchError(f"{self.origin}: {kernel}: {err.value.decode()}")
