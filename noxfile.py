@@ -51,13 +51,19 @@ PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]
     XPU_PROFILE: ("xpu", ("kpt-triton", "kpt-xpu"), XPU_EXTRA, XPU_ENV),
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
+    # kpt-mps's Metal shaders through its emulator (the system C++ compiler) on CPU tensors: a
+    # simulator like cuda-interpret, never picked automatically; on a Mac, scripts/mps_check.sh
+    "mps-emulate": ("mps", ("kpt-mps",), (), {"KPT_MPS_EMULATE": "1"}),
 }
-# profiles that CI runs as a representative cut (bfloat16 numerics, every contract and bad-input
-# test); `nox -s "conformance(profile='rocm-interpret')" -- -k ""` runs the whole suite
+# profiles that CI runs as a representative cut (every contract and bad-input test, and the numerics
+# of one dtype: bfloat16 for rocm and xpu; float32, the tightest check of the shaders' math, for mps,
+# with the float32-parameter cases of 16-bit activations); `nox -s "conformance(profile='rocm-interpret')"
+# -- -k ""` runs the whole suite
 BFLOAT16_CUT = ("-k", "bfloat16 or not test_numerics")
-CUTS = {"rocm-interpret": BFLOAT16_CUT, "xpu-interpret": BFLOAT16_CUT}
+CUTS = {"rocm-interpret": BFLOAT16_CUT, "xpu-interpret": BFLOAT16_CUT,
+        "mps-emulate": ("-k", "float32 or fp32_ or not test_numerics")}
 BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
-PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu", "kpt-fpga-sim")
+PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu", "kpt-fpga-sim", "kpt-mps")
 EXAMPLE = "examples/kpt-example"
 
 

@@ -1,0 +1,47 @@
+// Cross-entropy of [N, V] logits, one threadgroup per row (also the logits of linear_cross_entropy).
+//   lse = log Σ exp(z),  loss = (1 − ε)(lse − z_t) + ε (lse − mean z)   (0 if ignored, NaN if t ∉ [0, V))
+//   dz  = unit · (softmax(z) − (1 − ε) onehot(t) − ε / V),  unit = the gradient reaching the row's loss
+
+// ip: V, code of z, ignore_index, write dz, code of dz; fp: ε
+kernel void cross_entropy_fwd(device const uchar* z [[buffer(0)]], device const long* target [[buffer(1)]],
+                              device const float* unit [[buffer(2)]], device float* losses [[buffer(3)]],
+                              device float* lse_out [[buffer(4)]], device uchar* dz [[buffer(5)]],
+                              constant long* ip [[buffer(6)]], constant float* fp [[buffer(7)]],
+                              uint row [[threadgroup_position_in_grid]], uint lid [[thread_position_in_threadgroup]],
+                              uint nt [[threads_per_threadgroup]]) {
+  threadgroup float partial[32];
+  long v = ip[0], base = long(row) * v, t = target[row];
+  int zc = int(ip[1]), dc = int(ip[4]);
+  bool grad = ip[3] != 0, kept = t != ip[2], in_range = t >= 0 && t < v;
+  float eps = fp[0];
+  float m = -INFINITY, total = 0.0f;
+  for (long c = lid; c < v; c += nt) { float x = load(z, base + c, zc); m = max(m, x); total += x; }
+  m = group_max(m, partial, lid, nt);
+  total = group_sum(total, partial, lid, nt);
+  float s = 0.0f;
+  for (long c = lid; c < v; c += nt) s += precise::exp(load(z, base + c, zc) - m);
+  float lse = m + precise::log(group_sum(s, partial, lid, nt));
+  if (lid == 0) {
+    float zt = in_range ? load(z, base + t, zc) : 0.0f;
+    float loss = (1.0f - eps) * (lse - zt);
+    if (eps > 0.0f) loss += eps * (lse - total / float(v > 0 ? v : 1));
+    losses[row] = kept ? (in_range ? loss : NAN) : 0.0f;
+    lse_out[row] = lse;
+  }
+  if (!grad) return;
+  float g = unit[row];
+  for (long c = lid; c < v; c += nt) {
+    float d = precise::exp(load(z, base + c, zc) - lse) - (c == t ? 1.0f - eps : 0.0f) - eps / float(v);
+    store(dz, base + c, dc, g * d);
+  }
+}
+
+// dx = d · g[row] (per_row) or d · g[0]; a grid-stride loop. ip: n, row length, code, per_row
+kernel void scale_rows(device const uchar* d [[buffer(0)]], device const float* g [[buffer(1)]],
+                       device uchar* dx [[buffer(2)]], constant long* ip [[buffer(3)]],
+                       uint i [[thread_position_in_grid]], uint threads [[threads_per_grid]]) {
+  long n = ip[0], width = ip[1];
+  int xc = int(ip[2]);
+  bool per_row = ip[3] != 0;
+  for (long e = i; e < n; e += threads) store(dx, e, xc, load(d, e, xc) * g[per_row ? e / width : 0]);
+}
