@@ -19,6 +19,8 @@ from .devices import DEVICES, Device, OpCost
 from .formats import E4M3FN, E5M2, FLOAT32, ApFixed, Minifloat, ap_fixed, parse_format
 from .hls import Report, format_table
 
+__version__ = "0.1.0"
+
 __all__ = [
     "DEVICES", "E4M3FN", "E5M2", "FLOAT32", "ApFixed", "DesignBar", "Device", "Directives",
     "FpgaSimBackend", "Minifloat", "OpCost", "Report", "SimConfig", "ap_fixed", "configure",
