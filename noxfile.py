@@ -155,7 +155,7 @@ AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"), "cu
 
 @nox.session
 def aot(session: nox.Session) -> None:
-    """Compile every kernel at the PERF.md shapes for every target, without a GPU: fails on a
+    """Compile every kernel at the docs/performance.md shapes for every target, without a GPU: fails on a
     compile error, shared memory / LDS over the limit, or a spill the tuning table does not
     accept. ``nox -s aot -- --all-cases`` adds every conformance case's specialization."""
     _install(session, "kpt-triton", "kpt-cuda", "kpt-rocm")

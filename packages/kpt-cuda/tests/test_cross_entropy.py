@@ -15,7 +15,7 @@ H100_SMEM = 232448
 
 
 @pytest.mark.parametrize("shape, dtype, split", [
-    ((8192, 128256), torch.bfloat16, (2, 14)),  # PERF.md: 16032 vectors, 16 per thread
+    ((8192, 128256), torch.bfloat16, (2, 14)),  # docs/performance.md: 16032 vectors, 16 per thread
     ((4, 151936), torch.float16, (5, 14)),
     ((4, 32000), torch.bfloat16, (0, 4)),
     ((4, 8), torch.bfloat16, (0, 1)),

@@ -1,8 +1,8 @@
-"""Measuring kernels side by side, the PERF.md way.
+"""Measuring kernels side by side, the docs/performance.md way.
 
     python -m kpt.benchmark --backend cuda --out reports/bench
 
-For each kernel's perf case (the PERF.md shape) it times, on the backend's device, the backend,
+For each kernel's perf case (the docs/performance.md shape) it times, on the backend's device, the backend,
 torch eager (the contract's reference math, run as plain PyTorch), torch.compile of the same math
 and the best library present (SDPA, cuBLAS, Liger-Kernel where installed), forward and
 forward+backward (random output gradients; 1 for a scalar loss, as ``loss.backward()`` gives).

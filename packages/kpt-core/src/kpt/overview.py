@@ -14,7 +14,7 @@ from .registry import get_backend, list_backends
 
 
 def list_kernels() -> list[str]:
-    """The kernels of the contract, in the order of KERNELS.md. Every backend has one method per
+    """The kernels of the contract, in its order (`kpt.SPECS`). Every backend has one method per
     kernel (``help(backend.rms_norm)`` documents it); `kpt.SPECS` holds their specs."""
     return list(SPECS)
 

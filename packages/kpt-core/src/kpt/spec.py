@@ -1,6 +1,6 @@
 """How a kernel of the contract is described: `KernelSpec`, its conformance `Case`s and `BadInput`s.
 
-Every kernel of ``KERNELS.md`` has exactly one `KernelSpec`, defined in the module of its family
+Every kernel of ``docs/contract.md`` has exactly one `KernelSpec`, defined in the module of its family
 under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
 
 * ``signature``: the public Python function (its signature and docstring are what users see
@@ -46,7 +46,7 @@ MakeInputs = Callable[[torch.Generator, torch.dtype], Args]
 class Case:
     """One conformance case: ``make(generator, dtype)`` draws fresh random CPU inputs.
 
-    ``perf`` marks the large shapes of PERF.md used by performance tests (never run for numerics
+    ``perf`` marks the large shapes of docs/performance.md used by performance tests (never run for numerics
     on a simulator). ``dtypes`` restricts the case to some activation dtypes. ``grad`` runs the
     backward check too (only for differentiable kernels).
     """
