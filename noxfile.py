@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot usage newest  # what CI runs
+    nox -s lint typecheck tests conformance example aot usage newest wheels docs  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -181,6 +181,51 @@ def usage(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "ruff")
     session.run("ruff", "check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over kpt-core, the API every backend and user programs against (its settings in
+    ``[tool.mypy]`` of packages/kpt-core/pyproject.toml)."""
+    _install(session, extra=("mypy",))
+    session.run("mypy", "--config-file", "packages/kpt-core/pyproject.toml", "-p", "kpt")
+
+
+def _distributions() -> list[Path]:
+    """Every package under packages/ (a folder with a pyproject.toml): each is a published distribution."""
+    return sorted(p for p in Path("packages").iterdir() if (p / "pyproject.toml").is_file())
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Every distribution under packages/ as a user gets it: built (sdist, then the wheel from the
+    sdist), checked with ``twine check --strict``, the wheels installed (not the source tree, not
+    editable) into this fresh environment, then every package's unit tests and the reference
+    conformance run against them, so a file missing from a wheel (CUDA C sources, tuning tables,
+    Metal sources) fails here. Distributions land in .nox/wheels/tmp/dist/."""
+    session.install(*CONSTRAINTS, "build", "twine", "setuptools")
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    packages = _distributions()
+    for package in packages:
+        # --no-isolation: the pinned setuptools of this session, which must satisfy each package's floor
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(package), silent=True)
+    session.run("twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
+    session.install(*CONSTRAINTS, "pytest", "numpy", *map(str, sorted(dist.glob("*.whl"))))
+    session.run("python", "scripts/installed_from_wheels.py", *(p.name for p in packages))
+    for package in packages:
+        session.run("pytest", "-q", "-p", "no:cacheprovider", f"{package}/tests", *session.posargs,
+                    env={"TRITON_INTERPRET": "1"})
+    session.run("kpt", "check", "--backend", "reference", "--report", "reports/wheels-reference",
+                "--xfails", "conformance/xfails")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (docs/, mkdocs.yml) built with warnings as errors into build/site;
+    its kernel reference is written from kpt.SPECS at build time."""
+    _install(session, extra=("mkdocs", "mkdocs-material", "mkdocstrings", "mkdocstrings-python"))
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(default=HAS_NVIDIA_GPU)
