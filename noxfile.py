@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint typecheck tests conformance example aot usage newest wheels docs  # what CI runs
+    nox -s lint wheels conformance example aot usage newest docs  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -170,7 +170,7 @@ def aot(session: nox.Session) -> None:
 def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
-    Python snippets; mypy over a user's first script (tests/)."""
+    Python snippets; mypy over a user's first script and over kpt-core itself (tests/)."""
     _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy"))
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
@@ -181,14 +181,6 @@ def usage(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "ruff")
     session.run("ruff", "check", ".")
-
-
-@nox.session
-def typecheck(session: nox.Session) -> None:
-    """mypy over kpt-core, the API every backend and user programs against (its settings in
-    ``[tool.mypy]`` of packages/kpt-core/pyproject.toml)."""
-    _install(session, extra=("mypy",))
-    session.run("mypy", "--config-file", "packages/kpt-core/pyproject.toml", "-p", "kpt")
 
 
 def _distributions() -> list[Path]:

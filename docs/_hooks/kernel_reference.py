@@ -65,7 +65,7 @@ def _section(spec: kpt.KernelSpec) -> str:
               *(_tolerance_row(d) for d in dtypes), ""]
     widened = [c for c in cases if c.tolerance_scale != 1.0 or c.eager_factor]
     if widened:
-        lines += ["**Widened cases** (ill-conditioned inputs where float32 arithmetic itself errs beyond the table):", ""]
+        lines += ["**Widened cases** (ill-conditioned: float32 arithmetic itself errs beyond the table):", ""]
         for c in widened:
             how = [f"tolerance × {c.tolerance_scale:g}"] if c.tolerance_scale != 1.0 else []
             how += [f"within {c.eager_factor:g}× the error of eager in the dtype under test"] if c.eager_factor else []

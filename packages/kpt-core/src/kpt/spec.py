@@ -95,7 +95,7 @@ class KernelSpec:
 
     name: str
     signature: Callable[..., Any]
-    validate: Callable[[Args, Sequence[torch.dtype]], Args]
+    validate: Callable[[Args, tuple[torch.dtype, ...]], Args]
     forward: Callable[..., tuple[torch.Tensor, ...]]
     outputs: tuple[str, ...]
     flops: Callable[[Args], float]
@@ -161,13 +161,13 @@ class KernelSpec:
                 if not unused:
                     return bound
         try:  # a call the fast path does not take, or a wrong one: inspect names the problem
-            bound = self._signature.bind(*args, **kwargs)
+            call = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise KernelInputError(f"{self.name}: {exc}") from None
-        bound.apply_defaults()
-        return dict(bound.arguments)
+        call.apply_defaults()
+        return dict(call.arguments)
 
-    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtypes: Sequence[torch.dtype]) -> Args:
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtypes: tuple[torch.dtype, ...]) -> Args:
         """Bind a call and validate it: the arguments in the forward's order, normalized."""
         return self.validate(self.bind(args, kwargs), dtypes)
 
