@@ -28,6 +28,7 @@ import torch
 from .backend import Backend
 from .kernels import SPECS
 from .ops import as_tuple
+from .overview import provenance
 from .registry import get_backend
 from .spec import Case, KernelSpec
 from .spec import nbytes as nbytes_of
@@ -35,6 +36,10 @@ from .testing import compare, to_device
 from .tolerance import default_tolerance
 
 MODES = ("fwd", "fwd+bwd")
+SCHEMA_VERSION = 1
+"""Of ``bench.json``: ``{"schema_version", "backend", "versions", "device", "machine", "timestamp"}``
+(`kpt.overview.provenance`), then ``"environment"`` (the backend's facts), ``"ceilings"`` and
+``"results"`` (one `Measurement` each)."""
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device) -> float:
@@ -294,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(
-        {"environment": env, "ceilings": asdict(ceilings), "results": [asdict(r) for r in results]}, indent=1))
+        {"schema_version": SCHEMA_VERSION, "backend": backend.name, **provenance(device), "environment": env,
+         "ceilings": asdict(ceilings), "results": [asdict(r) for r in results]}, indent=1))
     table = markdown(results, env, ceilings)
     (out / "bench.md").write_text(table)
     print(table)
