@@ -205,7 +205,7 @@ def wheels(session: nox.Session) -> None:
         session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(package), silent=True)
     session.run("twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
     session.install(*CONSTRAINTS, "pytest", "numpy", *map(str, sorted(dist.glob("*.whl"))))
-    session.run("python", "scripts/installed_from_wheels.py", *(p.name for p in packages))
+    session.run("python", "scripts/installed_from_wheels.py", *map(str, packages))
     for package in packages:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"{package}/tests", *session.posargs,
                     env={"TRITON_INTERPRET": "1"})

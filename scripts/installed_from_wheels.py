@@ -1,11 +1,14 @@
-"""Check that kpt's distributions are installed from wheel files, not from the source tree.
+"""Check that kpt's distributions are installed from wheel files, complete, not from the source tree.
 
-    python scripts/installed_from_wheels.py kpt-core kpt-cuda ...
+    python scripts/installed_from_wheels.py packages/kpt-core packages/kpt-cuda ...
 
-For each distribution named: pip recorded a wheel file as its origin (``direct_url.json``), and
-every module it provides imports from the installed files, not from packages/<name>/src. Run by
-``nox -s wheels`` before the tests, so that they test what a user installs. Exits non-zero naming
-each distribution that fails.
+For each package folder named: pip recorded a wheel file as the origin of its distribution
+(``direct_url.json``); every file of the package's source (``src/``: modules, CUDA C and Metal
+sources, tuning tables, ``py.typed``...) was installed with it, so package data left out of
+``pyproject.toml`` is caught even where no test on this machine reads it (a ``.cu`` file runs
+only on a GPU); and its modules import from the installed files, not from the source tree. Run
+by ``nox -s wheels`` before the tests, so that they test what a user installs. Exits non-zero
+naming each problem.
 """
 
 from __future__ import annotations
@@ -13,30 +16,43 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import tomllib
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+SKIP = ("__pycache__", ".egg-info")  # build by-products beside the sources, never shipped
 
 
-def problems(name: str) -> list[str]:
+def source_files(package: Path) -> set[PurePosixPath]:
+    """The package's files under src/, relative to src/ (as a wheel records them)."""
+    src = package / "src"
+    return {PurePosixPath(f.relative_to(src).as_posix()) for f in src.rglob("*")
+            if f.is_file() and not any(part.endswith(SKIP) for part in f.relative_to(src).parts)}
+
+
+def problems(package: Path) -> list[str]:
+    name = tomllib.loads((package / "pyproject.toml").read_text())["project"]["name"]
     try:
         dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
         return [f"{name}: not installed"]
     origin = json.loads(dist.read_text("direct_url.json") or "{}")
-    found = []
     if not origin.get("url", "").endswith(".whl"):
-        found.append(f"{name}: installed from {origin.get('url') or 'an index'}, not a wheel file")
-    top_level = {f.parts[0] for f in dist.files or () if f.suffix == ".py" and len(f.parts) > 1}
-    for module in sorted(top_level):
+        return [f"{name}: installed from {origin.get('url') or 'an index'}, not from a wheel file"]
+    installed = {PurePosixPath(str(f)) for f in dist.files or ()}
+    found = [f"{name}: {f} is in {package}/src but not in the wheel (package data?)"
+             for f in sorted(source_files(package) - installed)]
+    root = Path(str(dist.locate_file(""))).resolve()
+    for module in sorted({f.parts[0] for f in installed if f.suffix == ".py" and len(f.parts) > 1}):
         path = Path(importlib.import_module(module).__file__ or "").resolve()
-        if not path.is_relative_to(Path(str(dist.locate_file(""))).resolve()):
+        if not path.is_relative_to(root):
             found.append(f"{name}: {module} imports from {path}, not from the installed wheel")
     return found
 
 
-def main(names: list[str]) -> int:
-    found = [p for name in names for p in problems(name)]
-    print("\n".join(found) or f"installed from wheels: {', '.join(names)}")
+def main(packages: list[str]) -> int:
+    found = [p for package in packages for p in problems(Path(package))]
+    print("\n".join(found) or f"installed from complete wheels: {', '.join(packages)}")
     return 1 if found else 0
 
 
