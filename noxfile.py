@@ -66,7 +66,8 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 def tests(session: nox.Session) -> None:
     """Every package's unit tests on the CPU (Triton kernels through the interpreter), on editable
     installs: the quick loop while changing code. CI runs the same tests on the built wheels (`wheels`)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy",), editable=True)
+    # matplotlib: kpt-core's roofline test draws a recorded benchmark run
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib"), editable=True)
     # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton)
     for package in PACKAGES:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
@@ -204,7 +205,8 @@ def wheels(session: nox.Session) -> None:
         # --no-isolation: the pinned setuptools of this session, which must satisfy each package's floor
         session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(package), silent=True)
     session.run("twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
-    session.install(*CONSTRAINTS, "pytest", "numpy", *map(str, sorted(dist.glob("*.whl"))))
+    # what the tests need besides the wheels: numpy (Triton's interpreter), matplotlib (kpt-core's roofline test)
+    session.install(*CONSTRAINTS, "pytest", "numpy", "matplotlib", *map(str, sorted(dist.glob("*.whl"))))
     session.run("python", "scripts/installed_from_wheels.py", *map(str, packages))
     for package in packages:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"{package}/tests", *session.posargs,

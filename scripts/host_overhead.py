@@ -13,24 +13,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kpt
-from kpt.benchmark import MODES, _prepare, _runner, time_ms
-
-
-def host_us(run, calls: int = 50) -> float:
-    run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
+from kpt.benchmark import MODES, _prepare, _runner, host_us, time_ms
 
 
 def device_us(run, calls: int = 20) -> float:

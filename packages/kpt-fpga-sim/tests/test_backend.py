@@ -44,7 +44,7 @@ def test_configure_returns_a_new_backend_with_its_own_ops(be) -> None:
     x, w = torch.randn(3, 8), torch.randn(5, 8)
     assert other.linear(x, w).shape == (3, 5) and be.linear(x, w).shape == (3, 5)
     assert configure(other, device="u280").config.clock_mhz == 300.0
-    for bad in ({"format": "ap_fixed<40,8>"}, {"device": "vu9p"}, {"clock_mhz": -1},
+    for bad in ({"format": "ap_fixed<40,8>"}, {"device": "vu19p"}, {"clock_mhz": -1},
                 {"directives": {"linaer": {"reuse": 2}}}, {"directives": {"linear": {"reuse": 0}}},
                 {"directives": {"linear": {"pipeline": 2}}}):
         with pytest.raises(ValueError):
@@ -227,4 +227,4 @@ def test_every_call_is_reported(be) -> None:
 
 def test_public_api() -> None:
     assert kpt_fpga_sim.configure is configure
-    assert set(kpt_fpga_sim.DEVICES) == {"u250", "u280", "zynq7020"}
+    assert set(kpt_fpga_sim.DEVICES) == {"u250", "u280", "u50", "vu9p", "vu13p", "ku115", "zynq7020"}

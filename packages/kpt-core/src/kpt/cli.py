@@ -3,6 +3,7 @@
     kpt info                        # versions, backends (usable here or why not), kernels
     kpt check --backend mydevice [--device cuda:1] [--dtypes float32,bfloat16] [--kernels rms_norm,silu]
               [--seed N] [--report DIR] [--xfails FILE_OR_DIR] [-- PYTEST_ARGS...]
+    kpt bench --backend cuda [--kernels rms_norm,softmax] [--sweep perf|models|attention|linear|all] [--plot]
 """
 
 from __future__ import annotations
@@ -33,6 +34,24 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .benchmark import run
+
+    return run(args)
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from .benchmark import add_arguments
+
+    bench = commands.add_parser(
+        "bench", help="time the kernels against torch eager, torch.compile and the libraries (needs a GPU)",
+        description="Time a backend's kernels on a sweep of shapes against torch eager, torch.compile and "
+                    "the libraries present, and write bench.json and bench.md (with --plot, roofline.png). "
+                    "Needs a GPU; --list shows a sweep's shapes anywhere.")
+    add_arguments(bench)
+    bench.set_defaults(run=_bench)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kpt", description="kpt: one kernel API for many accelerators")
     commands = p.add_subparsers(dest="command", required=True)
@@ -55,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
         description="Show the versions, every installed backend (whether it can run here, or why not), "
                     "the backend kpt.get_backend() picks here, and the kernels with their parameters.",
     ).set_defaults(run=_info)
+    _add_bench(commands)
     return p
 
 

@@ -1,9 +1,9 @@
 """`CudaBackend`: the portable Triton kernels of kpt-triton, tuned per NVIDIA architecture.
 
 Only wiring on `kpt_triton.backend.TritonBackend`: device detection in `device`, tuning tables
-in `tuning`. Where CuPy can run it, a vendor-native body in CUDA C replaces the portable one of
-the same kernel: only where it measured faster (a CUDA C top-k gating was dropped: 46 µs
-against 12 µs for the Triton kernel on an H100).
+in `tuning`. Where it can run, a vendor-native body (CUDA C through CuPy, or NVIDIA's
+libraries through torch) replaces the portable one of the same kernel: only where it measured
+faster (a CUDA C top-k gating was dropped: 46 µs against 12 µs for the Triton kernel on an H100).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import types
 
 from kpt_triton.backend import TritonBackend
 
-from . import cross_entropy, device, tuning
+from . import attention, cross_entropy, device, linear, tuning
 
-NATIVE_MODULES = (cross_entropy,)
-"""Vendor-native bodies (CUDA C through CuPy) that replace the portable ones of the same kernel
-where CuPy and a GPU are present; elsewhere the Triton bodies run."""
+NATIVE_MODULES = (attention, cross_entropy, linear)
+"""Vendor-native bodies that replace the portable ones of the same kernel on a GPU where their
+`available` says they run (cross-entropy: CuPy; attention: Hopper); elsewhere the Triton bodies run."""
 
 
 class CudaBackend(TritonBackend):

@@ -7,8 +7,15 @@
     y = fx.linear(x, w)
     print(fx.last_report)                                # cycles, II, resources, roofline, overflows
 
+A whole network as a constant-weight (hls4ml-style) design, layer by layer:
+
+    report = kpt_fpga_sim.estimate_model(model, torch.zeros(1, 16), format="ap_fixed<16,6>", device="u250",
+                                         clock_mhz=200, reuse=1, strategy="latency", io="parallel")
+    print(report)                                        # like a C-synthesis summary
+
 Number formats: `kpt_fpga_sim.formats`; cost model: `kpt_fpga_sim.hls`; devices and operator
-library: `kpt_fpga_sim.devices`; the C-simulation check: `kpt_fpga_sim.csim`.
+library: `kpt_fpga_sim.devices`; networks: `kpt_fpga_sim.network`, `multipliers`, `calibration`;
+the C-simulation check: `kpt_fpga_sim.csim`.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ from .config import Directives, SimConfig
 from .devices import DEVICES, Device, OpCost
 from .formats import E4M3FN, E5M2, FLOAT32, ApFixed, Minifloat, ap_fixed, parse_format
 from .hls import Report, format_table
+from .network import LayerReport, NetworkReport, estimate_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEVICES", "E4M3FN", "E5M2", "FLOAT32", "ApFixed", "DesignBar", "Device", "Directives",
-    "FpgaSimBackend", "Minifloat", "OpCost", "Report", "SimConfig", "ap_fixed", "configure",
-    "format_table", "parse_format",
+    "FpgaSimBackend", "LayerReport", "Minifloat", "NetworkReport", "OpCost", "Report", "SimConfig", "ap_fixed",
+    "configure", "estimate_model", "format_table", "parse_format",
 ]

@@ -7,8 +7,10 @@ g++ against the ``ap_types`` headers of Vitis HLS (Apache-2.0; shipped in the hl
 bit, with the simulator.
 
 The headers are never vendored: `ap_types_dir` downloads the wheel once with pip (no install),
-unpacks only that directory into a cache (``$KPT_FPGA_SIM_CACHE`` or ``~/.cache/kpt-fpga-sim``)
-and reuses it afterwards.
+refuses it unless its sha256 is the pinned `WHEEL_SHA256`, unpacks only that directory into a
+cache (``$KPT_FPGA_SIM_CACHE`` or ``~/.cache/kpt-fpga-sim``), refusing any member whose path
+leaves it, and reuses it afterwards. Offline, put the wheel (or the unpacked directory) in the
+cache yourself: the error says where.
 
 Programs emitted here (each prints one value per line, exactly, as ``%.17g`` of a double):
 
@@ -21,6 +23,7 @@ Programs emitted here (each prints one value per line, exactly, as ``%.17g`` of 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -28,7 +31,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from torch import Tensor
 
@@ -37,6 +40,9 @@ from .formats import ApFixed
 from .nonlinear import Table
 
 HLS4ML_VERSION = "1.3.0"
+WHEEL = f"hls4ml-{HLS4ML_VERSION}-py3-none-any.whl"
+WHEEL_SHA256 = "01bf1de2cd9bca56699b9fe3385cb1735026b022f9580fe1d73faf192dfb90f2"
+"""The sha256 of the wheel on PyPI; any other file is refused."""
 _WHEEL_DIR = "hls4ml/templates/vivado/ap_types/"
 
 
@@ -44,34 +50,75 @@ class CsimUnavailable(RuntimeError):
     """No C++ compiler, or the ap_types headers could not be fetched (no network)."""
 
 
+class CsimIntegrityError(RuntimeError):
+    """The downloaded wheel is not the pinned one, or it holds a path that leaves its directory."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KPT_FPGA_SIM_CACHE") or Path.home() / ".cache" / "kpt-fpga-sim")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("KPT_FPGA_SIM_CACHE") or Path.home() / ".cache" / "kpt-fpga-sim"
-    return Path(root) / f"ap_types-hls4ml-{HLS4ML_VERSION}"
+    return cache_root() / f"ap_types-hls4ml-{HLS4ML_VERSION}"
+
+
+_OFFLINE = (f"to work offline, put {WHEEL} (sha256 {WHEEL_SHA256}) in $KPT_FPGA_SIM_CACHE "
+            "(default ~/.cache/kpt-fpga-sim), or its hls4ml/templates/vivado/ap_types/ directory "
+            f"as $KPT_FPGA_SIM_CACHE/ap_types-hls4ml-{HLS4ML_VERSION}/")
+
+
+def check_wheel(path: Path) -> None:
+    """Refuse any file but the pinned wheel."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != WHEEL_SHA256:
+        raise CsimIntegrityError(f"{path.name}: sha256 {digest}, expected {WHEEL_SHA256}; refusing it")
+
+
+def unpack_ap_types(wheel: Path, target: Path) -> None:
+    """Unpack the wheel's ap_types directory into ``target``, refusing members whose path is
+    absolute or leaves the directory (``..``)."""
+    root = target.resolve()
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if not name.startswith(_WHEEL_DIR) or name.endswith("/"):
+                continue
+            rel = PurePosixPath(name[len(_WHEEL_DIR):])
+            out = (root / rel).resolve()
+            if rel.is_absolute() or ".." in rel.parts or "\\" in name or root not in out.parents:
+                raise CsimIntegrityError(f"{wheel.name}: member {name!r} leaves {_WHEEL_DIR}; refusing the archive")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(archive.read(name))
+
+
+def _download(tmp: str) -> Path:
+    cached = cache_root() / WHEEL
+    if cached.exists():
+        return cached
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           f"hls4ml=={HLS4ML_VERSION}", "-d", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as exc:
+        raise CsimUnavailable(f"'{' '.join(cmd)}' timed out; {_OFFLINE}") from exc
+    wheel = Path(tmp) / WHEEL
+    if done.returncode or not wheel.exists():
+        why = done.stderr.strip()[-400:]
+        raise CsimUnavailable(f"could not download hls4ml=={HLS4ML_VERSION}: {why}\n{_OFFLINE}")
+    return wheel
 
 
 def ap_types_dir() -> Path:
-    """The unpacked ``ap_types`` headers, downloading the hls4ml wheel the first time."""
+    """The unpacked ``ap_types`` headers: from the cache, else from the pinned hls4ml wheel (in
+    the cache, or downloaded with pip), checked and unpacked the first time."""
     target = cache_dir()
     if (target / "ap_fixed.h").exists():
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               f"hls4ml=={HLS4ML_VERSION}", "-d", tmp]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired as exc:
-            raise CsimUnavailable(f"'{' '.join(cmd)}' timed out") from exc
-        wheels = list(Path(tmp).glob("hls4ml-*.whl"))
-        if done.returncode or not wheels:
-            why = done.stderr.strip()[-400:]
-            raise CsimUnavailable(f"could not download hls4ml=={HLS4ML_VERSION}: {why}")
+        wheel = _download(tmp)
+        check_wheel(wheel)
         staging = Path(tmp) / "ap_types"
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            for name in wheel.namelist():
-                if name.startswith(_WHEEL_DIR) and not name.endswith("/"):
-                    out = staging / name[len(_WHEEL_DIR):]
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    out.write_bytes(wheel.read(name))
+        staging.mkdir()
+        unpack_ap_types(wheel, staging)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + f".{os.getpid()}")
         shutil.copytree(staging, partial)

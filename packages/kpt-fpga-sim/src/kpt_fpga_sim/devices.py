@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .formats import ApFixed, Format
+from .nonlinear import tables_for
 
 LIMITS = {"lut": 0.70, "ff": 0.50, "bram18": 0.80, "dsp": 0.80, "uram": 0.80}
 """Utilization above which a design is called unfit (routing congestion, timing closure)."""
@@ -37,6 +38,28 @@ class OpCost:
     dsp: float = 0.0
     lut: float = 0.0
     ff: float = 0.0
+    rom: tuple[int, int] = (0, 0)
+    """A table unit's ROM as (width bits, entries); two units share one copy (dual port)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a constant-weight design needs of a device family: the DSP slice's multiplier ports
+    (DSP48E2: 27×18, DSP48E1: 25×18) and the delays of a combinational multiply and of one adder
+    level of a LUT adder tree (the operator delays the C-synthesis schedules report, e.g. 1.94 ns
+    for a 16-bit multiply on a -2 UltraScale+ part). A pipeline stage holds what fits in the
+    clock period less the tool's default 12.5% uncertainty."""
+
+    name: str
+    dsp_a: int
+    dsp_b: int
+    mul_ns: float
+    add_ns: float
+
+
+ULTRASCALE_PLUS = Family("UltraScale+", 27, 18, 2.0, 0.5)
+ULTRASCALE = Family("UltraScale", 27, 18, 2.4, 0.6)
+SERIES7 = Family("7-series", 25, 18, 3.9, 1.0)
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,7 @@ class Device:
     memory: str
     bandwidth_gbs: float
     clock_mhz: float
+    family: Family = ULTRASCALE_PLUS
 
     def total(self, resource: str) -> int:
         return getattr(self, resource)
@@ -59,19 +83,33 @@ class Device:
 DEVICES = {
     "u250": Device("u250", "xcu250", 1_728_000, 3_456_000, 5_376, 12_288, 1_280, "4x DDR4", 77.0, 300.0),
     "u280": Device("u280", "xcu280", 1_303_680, 2_607_360, 4_032, 9_024, 960, "HBM2", 460.0, 300.0),
-    "zynq7020": Device("zynq7020", "xc7z020", 53_200, 106_400, 280, 220, 0, "DDR3", 4.2, 100.0),
+    "u50": Device("u50", "xcu50", 871_680, 1_743_360, 2_688, 5_952, 640, "HBM2", 316.0, 300.0),
+    "vu9p": Device("vu9p", "xcvu9p", 1_182_240, 2_364_480, 4_320, 6_840, 960, "4x DDR4", 77.0, 300.0),
+    "vu13p": Device("vu13p", "xcvu13p", 1_728_000, 3_456_000, 5_376, 12_288, 1_280, "4x DDR4", 77.0, 300.0),
+    "ku115": Device("ku115", "xcku115", 663_360, 1_326_720, 4_320, 5_520, 0, "2x DDR4", 38.4, 250.0,
+                    ULTRASCALE),
+    "zynq7020": Device("zynq7020", "xc7z020", 53_200, 106_400, 280, 220, 0, "DDR3", 4.2, 100.0, SERIES7),
 }
-_ALIASES = {"xcu250": "u250", "alveo-u250": "u250", "xcu280": "u280", "alveo-u280": "u280",
-            "xc7z020": "zynq7020", "zynq-7020": "zynq7020", "z7020": "zynq7020"}
+_ALIASES = {"alveo-u250": "u250", "alveo-u280": "u280", "alveo-u50": "u50", "zynq-7020": "zynq7020",
+            "z7020": "zynq7020", "virtex-vu9p": "vu9p", "virtex-vu13p": "vu13p", "kintex-ku115": "ku115",
+            **{d.part: name for name, d in DEVICES.items()}}
 
 
 def get_device(name: str | Device) -> Device:
+    """A profile by short name (``u250``), part (``xcu250``) or full part name with package and
+    speed grade (``xcu250-figd2104-2L-e``, ``xc7z020clg400-1``)."""
     if isinstance(name, Device):
         return name
     key = name.lower().replace("_", "-")
     key = _ALIASES.get(key, key)
     if key not in DEVICES:
-        raise ValueError(f"unknown device profile {name!r}; expected one of {sorted(DEVICES)}")
+        # a full part name: the part followed by its package and speed grade
+        parts = sorted((p for p in _ALIASES if p.startswith("xc") and key.startswith(p)
+                        and key[len(p):len(p) + 1] in ("-", *"abcdefghijklmnopqrstuvwxyz")), key=len)
+        if not parts:
+            raise ValueError(f"unknown device profile {name!r}; expected one of {sorted(DEVICES)} "
+                             "or a part name such as xcu250-figd2104-2L-e")
+        key = _ALIASES[parts[-1]]
     return DEVICES[key]
 
 
@@ -118,11 +156,14 @@ def _fixed_ops(fmt: ApFixed) -> dict[str, OpCost]:
         "cvt": OpCost(2, 0, 3 * w, w),
         "mac8": _FLOAT32_300MHZ["mac8"],
     }
+    tables = tables_for(fmt.f)
     for name in TABLE_FUNCTIONS:
         normalized = name in ("rsqrt", "recip", "log")
+        rom = tables[name if name in tables else "exp"]
         ops[name] = OpCost(table.latency + (shifter.latency if normalized else 0), table.dsp,
                            table.lut + (shifter.lut if normalized else 0),
-                           table.ff + (shifter.ff if normalized else 0))
+                           table.ff + (shifter.ff if normalized else 0),
+                           (rom.rom_bits // rom.entries, rom.entries))
     return ops
 
 
@@ -143,12 +184,13 @@ _BRAM18_SHAPES = ((36, 512), (18, 1024), (9, 2048), (4, 4096), (2, 8192), (1, 16
 _LUTRAM_BITS = 1024
 
 
-def memory_blocks(width: int, depth: int, device: Device) -> dict[str, int]:
-    """Resources of one memory bank of ``width`` bits × ``depth`` words."""
+def memory_blocks(width: int, depth: int, device: Device, lutram: bool = True) -> dict[str, int]:
+    """Resources of one memory bank of ``width`` bits × ``depth`` words (``lutram``: a bank of
+    at most 1 Kib may go to LUTs)."""
     bits = width * depth
     if bits == 0:
         return {}
-    if bits <= _LUTRAM_BITS:
+    if lutram and bits <= _LUTRAM_BITS:
         return {"lut": math.ceil(bits / 64)}
     bram = min(math.ceil(width / w) * math.ceil(depth / d) for w, d in _BRAM18_SHAPES)
     uram = math.ceil(width / 72) * math.ceil(depth / 4096)

@@ -93,6 +93,8 @@ class Design:
     """The operator that sets the compute roofline (the device filled with it)."""
     roof_flops: int = 2
     """Flops one ``roof_op`` performs."""
+    architecture: str = "operands streamed from off-chip memory"
+    """What kind of circuit was estimated (named in the report)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,10 @@ def resources(design: Design, device: Device, ops: Mapping[str, OpCost]) -> dict
             total["dsp"] += n * cost.dsp
             total["lut"] += n * cost.lut
             total["ff"] += n * cost.ff
+            if cost.rom[0]:
+                # a table unit reads its ROM: one copy per two units (dual-port block RAM)
+                for res, blocks in memory_blocks(*cost.rom, device).items():
+                    total[res] += blocks * math.ceil(n / 2)
     for buf in design.buffers:
         per_bank = memory_blocks(buf.width, math.ceil(buf.depth / max(buf.banks, 1)), device)
         for res, n in per_bank.items():
@@ -195,6 +201,7 @@ class Report:
     bound: str
     overflows: dict[str, int] = field(default_factory=dict)
     directives: dict[str, Any] = field(default_factory=dict)
+    architecture: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,7 +239,7 @@ def evaluate(design: Design, device: Device, clock_mhz: float, fmt: str,
         traffic_bytes=design.traffic, gflops=gflops, compute_roof_gflops=compute_roof,
         memory_roof_gflops=memory_roof, roof_fraction=gflops / roofline if roofline else 0.0,
         compute_roof_fraction=gflops / compute_roof if compute_roof else 0.0, bound=bound,
-        directives=dict(directives or {}),
+        directives=dict(directives or {}), architecture=design.architecture,
     )
 
 
@@ -260,4 +267,5 @@ def format_table(reports: Sequence[Report], extra: Sequence[str] = ()) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     head = reports[0] if reports else None
     title = f"{head.device} @ {head.clock_mhz:g} MHz, {head.format}" if head else "no reports"
-    return title + "\n" + "\n".join(lines)
+    archs = dict.fromkeys(f"{r.kernel}: {r.architecture}" for r in reports if r.architecture)
+    return title + "\n" + "\n".join(lines) + "".join(f"\narchitecture of {a}" for a in archs)

@@ -261,7 +261,8 @@ def row_design(call: Call, kernel: str, n_rows: int, d: int, passes: Sequence[Pa
     """A row-wise kernel: for each row (DATAFLOW over rows, a ping-pong row buffer), the passes
     in order, with the per-row scalar unit (``row_ops`` along ``row_chain``) after the last
     reducing pass."""
-    lanes = call.lanes(traffic / max(n_rows * d, 1))
+    # no more lanes than a row has elements: the rest would idle
+    lanes = max(1, min(call.lanes(traffic / max(n_rows * d, 1)), d))
     stages: list[Loop] = []
     for p in passes:
         stages.append(stream(call, p.name, d, lanes, p.ops, p.chain, {"row": 1}, p.reduce == "add"))

@@ -116,18 +116,20 @@ def _moe_gating_fwd_kernel(
 def _moe_gating_bwd_kernel(
     LOGITS, WEIGHTS, INDICES, DW, DLOGITS,  # WEIGHTS, INDICES contiguous [T, K]; DLOGITS contiguous [T, E]
     T, E, stride_lt, stride_le, stride_dwt, stride_dwk,
-    K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    kcols = tl.arange(0, BLOCK_K)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    kmask = row_ok[:, None] & (kcols[None, :] < K)
-    w = tl.load(WEIGHTS + rows64[:, None] * K + kcols[None, :], mask=kmask, other=0.0)
-    dw = tl.load(DW + rows64[:, None] * stride_dwt + kcols[None, :] * stride_dwk, mask=kmask, other=0.0)
-    w_dot_dw = tl.sum(w * dw.to(tl.float32), 1)
+    # Σ_slot w·dw, one slot at a time: each thread sums its own rows (a reduction of a [rows, K]
+    # tile would go through shared memory, where threads holding copies of a narrow K write the
+    # same words: a write-write hazard for compute-sanitizer's racecheck)
+    w_dot_dw = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in range(K):
+        w = tl.load(WEIGHTS + rows64 * K + s, mask=row_ok, other=0.0)
+        dw = tl.load(DW + rows64 * stride_dwt + s * stride_dwk, mask=row_ok, other=0.0)
+        w_dot_dw += w * dw.to(tl.float32)
 
     # scatter the slots' gradients into their expert columns
     dsel = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
@@ -380,8 +382,7 @@ def moe_gating_bwd(
     block_t, block_e = _row_block(E, tile_elems)
     _moe_gating_bwd_kernel[(cdiv(T, block_t),)](
         logits, weights, indices, dweights, dlogits, T, E, *logits.stride(), *dweights.stride(),
-        K=k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(k),
-        num_warps=num_warps,
+        K=k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
     )
     return (dlogits,)
 

@@ -64,6 +64,9 @@ def linear_bwd(x, weight, bias, activation, y, pre, dy):
     return a.out(dx, x.dtype).reshape(x.shape), a.out(dweight, weight.dtype), dbias
 
 
+STREAMED_WEIGHTS = ("streamed weights: a GEMM engine (MAC array over K, weights staged on chip); "
+                    "for weights fixed at synthesis see kpt_fpga_sim.estimate_model")
+
 _EPILOGUE = {None: ({}, ()), "relu": ({"cmp": 1}, ("cmp",)),
              "gelu": ({"mul": 3, "erf": 1, "add": 1}, ("mul", "erf", "add", "mul", "mul")),
              "gelu_tanh": ({"mul": 6, "add": 2, "tanh": 1},
@@ -83,7 +86,8 @@ def linear_design(call: Call, x, weight, bias, activation):
     outputs = m * n * (1 + (activation is not None))
     traffic = operand_bytes + call.io_bytes(bias) + call.elem_bytes(x) * outputs
     top = region("linear", [mac, epilogue], dataflow=call.directives.dataflow)
-    return Design("linear", top, buffers, int(traffic), flops("linear", (x, weight, bias, activation)))
+    return Design("linear", top, buffers, int(traffic), flops("linear", (x, weight, bias, activation)),
+                  architecture=STREAMED_WEIGHTS)
 
 
 def linear_bwd_design(call: Call, x, weight, bias, activation, *outputs_and_grads):
@@ -98,4 +102,4 @@ def linear_bwd_design(call: Call, x, weight, bias, activation, *outputs_and_grad
     traffic = dx_bytes + dw_bytes + call.io_bytes(x, weight, bias) + call.elem_bytes(x) * m * n * 2
     top = region("linear backward", [dpre, dx, dw], dataflow=call.directives.dataflow)
     return Design("linear", top, (*dx_bufs, *dw_bufs), int(traffic),
-                  flops("linear", (x, weight, bias, activation), 2.0))
+                  flops("linear", (x, weight, bias, activation), 2.0), architecture=STREAMED_WEIGHTS)

@@ -1,0 +1,76 @@
+"""Vendor-native attention on Hopper: NVIDIA's fused kernels (cuDNN, FlashAttention-2) through PyTorch.
+
+On an H100 the portable Triton kernel (``kpt_triton.attention``) reaches about half of cuDNN's
+forward rate (B4 H32 S4096 D128 bf16: 276 against 558 TFLOP/s causal; ``benchmarks/``). Until kpt
+has a Hopper kernel of its own (wgmma, TMA, warp specialization), kpt-cuda's forward calls the
+fastest kernels PyTorch ships, through the ATen operators that ``F.scaled_dot_product_attention``
+dispatches to, and keeps kpt's contract:
+
+* ``Sq == Skv``: cuDNN. Its causal mask is aligned top-left, which equals kpt's bottom-right
+  alignment only when the query and key lengths agree.
+* other lengths (a KV cache: decode, chunked prefill): FlashAttention-2, whose causal mask is
+  aligned bottom-right like kpt's, and which splits a long KV length for a short query.
+* A causal call with one query is the non-causal one: that query sees every key.
+
+Both return the softmax statistics kpt's backward contract wants (``lse``, natural log, float32).
+Everything else runs the portable kernels: float32, head dimensions that are not a multiple of 8,
+a zero ``scale`` (where the fused kernels return NaN), queries that see no key (causal with
+``Sq > Skv``, or ``Skv == 0``), empty tensors, GPUs other than Hopper (`available`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kpt_triton import attention as portable
+
+from . import device
+
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+_aten = torch.ops.aten
+
+
+def available() -> bool:
+    """A Hopper GPU (sm90) and a torch with the fused attention operators."""
+    return (device.status()[0] and device.capability()[0] == 9
+            and hasattr(_aten, "_scaled_dot_product_cudnn_attention")
+            and hasattr(_aten, "_scaled_dot_product_flash_attention"))
+
+
+def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> str | None:
+    """"cudnn", "flash", or None where the portable kernel runs the call."""
+    sq, d = q.shape[2], q.shape[3]
+    skv = k.shape[2]
+    if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
+            or (causal and sq > skv) or scale == 0.0):
+        return None
+    return "cudnn" if sq == skv else "flash"
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
+    it passes on when it hands a call over."""
+    library = _library(q, k, causal, scale)
+    if library is None:
+        return portable.attention_fwd(q, k, v, causal, scale, **tuning)
+    causal = causal and q.shape[2] > 1
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if library == "cudnn":
+        o, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    else:
+        o, lse = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return o.contiguous(), lse.reshape(q.shape[:3]).contiguous()
+
+
+attention_bwd = portable.attention_bwd
+"""The backward stays the portable kernel, on the forward's ``(o, lse)``: the fused kernels' own
+backward (cuDNN's is about 4.6x faster at the docs/performance.md shape) is not wired yet, since its one run
+through the ATen operators failed on their sequence-offset arguments."""

@@ -1,0 +1,137 @@
+"""Published C-synthesis reports of hls4ml designs, and `estimate_model` set against them.
+
+Every number in `REPORTS` was read from the report named by its source (repository, commit and
+path): the summary's latency and interval (cycles; the worst case where it gives a range) and
+its utilization totals. The model
+(architecture, precision, reuse factor, strategy, io type, part, clock) is the one the report's
+project was built from. The weights are not in the reports, so the estimate draws them
+Glorot-uniform (seeded): Keras's default initializer, which hls4ml's test model keeps
+untrained. That matters for the DSP count only: a trained network with many near-zero weights
+needs fewer DSPs (`kpt_fpga_sim.multipliers`), and the estimate of such a network is as good as
+the weights it is given.
+
+    python -m kpt_fpga_sim calibrate        # estimate against report, per quantity, and the sMAPE
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .network import NetworkReport, estimate_model
+
+QUANTITIES = ("latency_cycles", "interval", "dsp", "lut", "ff", "bram18")
+TOLERANCE = {"latency_cycles": 2.0, "interval": 2.0, "dsp": 2.0, "lut": 3.0, "ff": 3.0}
+"""The factor within which the estimate must stay of each report (tested in CI)."""
+
+
+def jet_tagging_mlp() -> nn.Module:
+    """The hls4ml tutorial's jet tagger: 16 → 64 → 32 → 32 → 5, ReLU, softmax."""
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 5), nn.Softmax(dim=-1))
+
+
+def dense_16_5_relu() -> nn.Module:
+    """hls4ml's report test model: one Dense(5) on 16 inputs with a ReLU."""
+    return nn.Sequential(nn.Linear(16, 5), nn.ReLU())
+
+
+def small_mnist_cnn() -> nn.Module:
+    """28×28×1 → conv 3×3 ×4, ReLU, max-pool 4 → conv 3×3 ×8, ReLU, max-pool 2 → dense 10."""
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(4), nn.Conv2d(4, 8, 3), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32, 10))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "jet-tagging MLP 16-64-32-32-5": (jet_tagging_mlp, (1, 16)),
+    "dense 16-5 + relu": (dense_16_5_relu, (1, 16)),
+    "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10": (small_mnist_cnn, (1, 1, 28, 28)),
+}
+
+
+@dataclass(frozen=True)
+class Published:
+    """One C-synthesis report: where it is, how it was built, what it says."""
+
+    source: str
+    commit: str
+    path: str
+    tool: str
+    model: str
+    precision: str
+    reuse: int
+    strategy: str
+    io: str
+    part: str
+    clock_mhz: float
+    numbers: dict[str, int]
+
+
+REPORTS = (
+    Published("nrp-nautilus/6nrp-hls4ml", "c83384d5a417642bb38ce8a523b8c4c189ecdc26",
+              "model_1/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vitis HLS 2022.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
+              "xcu250-figd2104-2L-e", 200.0,
+              {"latency_cycles": 15, "interval": 1, "dsp": 2557, "lut": 116694, "ff": 24233, "bram18": 8}),
+    Published("Hector-Plata/hls4ml-tutorial", "4ac4f07a0edf530cde74aec53610e1e22a6ecc2d",
+              "model_1/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
+              "xcu250-figd2104-2L-e", 200.0,
+              {"latency_cycles": 13, "interval": 1, "dsp": 1520, "lut": 85140, "ff": 11100, "bram18": 4}),
+    Published("fastmachinelearning/hls4ml", "9d6e76efe7373d4bac58b0200f8a3986de696505",
+              "test/pytest/test_report/Vivado/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "dense 16-5 + relu", "ap_fixed<16,6>", 1, "latency", "stream",
+              "xc7z020-clg400-1", 200.0,
+              {"latency_cycles": 10, "interval": 8, "dsp": 73, "lut": 2532, "ff": 7969, "bram18": 0}),
+    # reuse 8 as configured; hls4ml moved the convolutions' to 9 (its parameters.h), as the estimate does
+    Published("pominiq/DNNonSilicon", "ee1d2a3be1b094268ce30eed7d966c352839bd4f",
+              "model_1/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10", "ap_fixed<16,6>", 8, "resource",
+              "stream", "xc7z020-clg400-1", 100.0,
+              {"latency_cycles": 14182, "interval": 14113, "dsp": 76, "lut": 25632, "ff": 16975, "bram18": 45}),
+)
+
+
+def estimate(report: Published, seed: int = 0) -> NetworkReport:
+    """`estimate_model` on the report's model and settings, Glorot-uniform weights from ``seed``."""
+    build, shape = MODELS[report.model]
+    g = torch.Generator().manual_seed(seed)
+    model = build().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                fan_in, fan_out = m.weight[0].numel(), m.weight.shape[0] * m.weight[0, 0].numel()
+                limit = (6.0 / (fan_in + fan_out)) ** 0.5
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 2 * limit - limit)
+                m.bias.zero_()
+    return estimate_model(model, torch.zeros(shape), format=report.precision, device=report.part,
+                          clock_mhz=report.clock_mhz, reuse=report.reuse, strategy=report.strategy, io=report.io)
+
+
+def smape(pairs: Sequence[tuple[float, float]]) -> float:
+    """Symmetric mean absolute percentage error of (estimate, report) pairs, in percent."""
+    terms = [abs(e - r) / ((abs(e) + abs(r)) / 2) for e, r in pairs if e or r]
+    return 100.0 * sum(terms) / len(terms) if terms else 0.0
+
+
+def table(reports: Sequence[Published] = REPORTS) -> str:
+    """Estimate against report for every quantity of every report, and the sMAPE per quantity."""
+    rows = []
+    pairs: dict[str, list[tuple[float, float]]] = {q: [] for q in QUANTITIES}
+    for rep in reports:
+        est = estimate(rep)
+        for q in QUANTITIES:
+            e, r = getattr(est, q), rep.numbers[q]
+            pairs[q].append((e, r))
+            ratio = f"{e / r:.2f}" if r else ("-" if not e else "inf")
+            rows.append((f"{rep.source} ({rep.tool})", q, f"{e:,}", f"{r:,}", ratio))
+    header = ("report", "quantity", "estimate", "report value", "estimate / report")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in (header, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("sMAPE: " + ", ".join(f"{q} {smape(p):.0f}%" for q, p in pairs.items()))
+    return "\n".join(lines)
