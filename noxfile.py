@@ -26,6 +26,7 @@ nox.options.reuse_existing_virtualenvs = False
 CONSTRAINTS = ("-c", "constraints/ci.txt")
 HAS_NVIDIA_GPU = shutil.which("nvidia-smi") is not None
 HAS_AMD_GPU = shutil.which("rocminfo") is not None
+HAS_INTEL_GPU = shutil.which("xpu-smi") is not None
 
 # without a GPU the Triton kernels run on CPU tensors through Triton's interpreter (which needs numpy)
 CUDA_ENV = {} if HAS_NVIDIA_GPU else {"TRITON_INTERPRET": "1"}
@@ -33,24 +34,30 @@ CUDA_EXTRA = () if HAS_NVIDIA_GPU else ("numpy",)
 # kpt-rocm likewise, with the tuning of the arch that KPT_ROCM_ARCH names (default gfx942)
 ROCM_ENV = {} if HAS_AMD_GPU else {"TRITON_INTERPRET": "1"}
 ROCM_EXTRA = () if HAS_AMD_GPU else ("numpy",)
+# kpt-xpu likewise, with the tuning of the arch that KPT_XPU_ARCH names (default pvc, the Max series)
+XPU_ENV = {} if HAS_INTEL_GPU else {"TRITON_INTERPRET": "1"}
+XPU_EXTRA = () if HAS_INTEL_GPU else ("numpy",)
 
 # conformance profile -> (backend name, packages to install, other requirements, environment); a
 # profile is named as its backend names its configuration (`kpt.Backend.conformance_profile`): the
 # report goes to reports/<profile>/ and the expected failures are conformance/xfails/<profile>.txt
 CUDA_PROFILE = "cuda" if HAS_NVIDIA_GPU else "cuda-interpret"
 ROCM_PROFILE = "rocm" if HAS_AMD_GPU else "rocm-interpret"
+XPU_PROFILE = "xpu" if HAS_INTEL_GPU else "xpu-interpret"
 PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
     "reference": ("reference", (), (), {}),
     CUDA_PROFILE: ("cuda", ("kpt-triton", "kpt-cuda"), CUDA_EXTRA, CUDA_ENV),
     ROCM_PROFILE: ("rocm", ("kpt-triton", "kpt-rocm"), ROCM_EXTRA, ROCM_ENV),
+    XPU_PROFILE: ("xpu", ("kpt-triton", "kpt-xpu"), XPU_EXTRA, XPU_ENV),
     "fpga-sim": ("fpga-sim", ("kpt-fpga-sim",), (), {}),
     "fpga-sim-fixed": ("fpga-sim", ("kpt-fpga-sim",), (), {"KPT_FPGA_SIM_FORMAT": "ap_fixed<16,6,RND,SAT>"}),
 }
 # profiles that CI runs as a representative cut (bfloat16 numerics, every contract and bad-input
 # test); `nox -s "conformance(profile='rocm-interpret')" -- -k ""` runs the whole suite
-CUTS = {"rocm-interpret": ("-k", "bfloat16 or not test_numerics")}
+BFLOAT16_CUT = ("-k", "bfloat16 or not test_numerics")
+CUTS = {"rocm-interpret": BFLOAT16_CUT, "xpu-interpret": BFLOAT16_CUT}
 BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
-PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-fpga-sim")
+PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu", "kpt-fpga-sim")
 EXAMPLE = "examples/kpt-example"
 
 
@@ -64,14 +71,28 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's unit tests on the CPU (Triton kernels through the interpreter), on editable
-    installs: the quick loop while changing code. CI runs the same tests on the built wheels (`wheels`)."""
+    """Every package's unit tests on the CPU (Triton kernels through the interpreter), with the
+    optional rich of kpt-core[cli] (its plain fallback is tested by hiding it), on editable installs:
+    the quick loop while changing code. CI runs the same tests on the built wheels (`wheels`)."""
     # matplotlib: kpt-core's roofline test draws a recorded benchmark run
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib"), editable=True)
-    # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton)
+    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib", "rich"), editable=True)
+    # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton);
+    # the multi-process tests of kpt.distributed are the `distributed` session's
     for package in PACKAGES:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", *session.posargs,
                     env={"TRITON_INTERPRET": "1"})
+
+
+DISTRIBUTED_TESTS = "packages/kpt-core/tests/test_distributed.py"
+
+
+@nox.session(default=False)
+def distributed(session: nox.Session) -> None:
+    """kpt.distributed on the CPU alone (the `tests` session runs it too): every kernel's DTensor
+    sharding rules and the vocabulary-parallel losses against the single-process results, in gloo
+    groups of 2 and 4 processes (reference backend)."""
+    _install(session, extra=("numpy",))  # torch's DTensor debug tools (counting collectives) import it
+    session.run("pytest", "-q", "-p", "no:cacheprovider", DISTRIBUTED_TESTS, *session.posargs)
 
 
 @nox.session
@@ -100,7 +121,7 @@ def newest(session: nox.Session) -> None:
     editable = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
     session.install("-c", str(constraints), "pytest", "numpy", *editable)
     interpret = {"TRITON_INTERPRET": "1"}
-    for package in ("kpt-triton", "kpt-cuda", "kpt-rocm"):
+    for package in ("kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu"):
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", env=interpret)
     session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--report", "reports/newest-cuda-interpret",
                 "--xfails", "conformance/xfails", env=interpret)
@@ -108,14 +129,15 @@ def newest(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def fuzz(session: nox.Session) -> None:
-    """A larger budget of fuzzed invalid calls than CI's (``-- N`` examples per kernel, default
-    2000) on the reference and the cuda backend (through the interpreter on a CPU machine)."""
-    examples = session.posargs[0] if session.posargs else "2000"
-    for profile in ("reference", CUDA_PROFILE):
+    """A larger budget of fuzzed calls than CI's: ``-- N M`` invalid calls (default 2000) and valid
+    calls against the oracle (default 200) per kernel, on the reference, cuda, rocm and fpga-sim
+    backends (the Triton ones through the interpreter on a CPU machine)."""
+    invalid, valid = (*session.posargs, *("2000", "200")[len(session.posargs):])[:2]
+    for profile in ("reference", CUDA_PROFILE, ROCM_PROFILE, "fpga-sim"):
         backend, packages, extra, env = PROFILES[profile]
         _install(session, *packages, extra=extra)
         session.run("kpt", "check", "--backend", backend, "--report", f"reports/fuzz-{profile}", "--",
-                    "-k", "fuzz", "--kpt-fuzz-examples", examples, env=env)
+                    "-k", "fuzz", "--kpt-fuzz-examples", invalid, "--kpt-fuzz-valid-examples", valid, env=env)
 
 
 @nox.session
@@ -172,11 +194,31 @@ def aot(session: nox.Session) -> None:
 def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
-    Python snippets; mypy over a user's first script and over kpt-core itself (tests/)."""
-    _install(session, *PACKAGES[len(BASE):], extra=("numpy", "mypy"))
+    Python snippets (transformers installed for the one that patches a model); mypy over a user's
+    first script and over kpt-core itself (tests/); then the `models` tests in the same environment."""
+    _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
+    _models(session)
+
+
+USAGE_EXTRA = ("numpy", "mypy", "transformers", "accelerate", "matplotlib")
+
+
+def _models(session: nox.Session) -> None:
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", env=CUDA_ENV)
+
+
+@nox.session(default=False)
+def models(session: nox.Session) -> None:
+    """`kpt.patch` on tiny random-initialised transformers models of every supported family
+    (the `usage` session runs it too): patched and unpatched forward, loss, gradients and a training
+    step agree, on the reference backend and on the cuda backend (through Triton's interpreter on
+    a CPU machine); the auto loader and the transformers Trainer on a patched model;
+    scripts/train_llama.py --tiny."""
+    _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
+    _models(session)
 
 
 @nox.session
@@ -205,8 +247,9 @@ def wheels(session: nox.Session) -> None:
         # --no-isolation: the pinned setuptools of this session, which must satisfy each package's floor
         session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(package), silent=True)
     session.run("twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
-    # what the tests need besides the wheels: numpy (Triton's interpreter), matplotlib (kpt-core's roofline test)
-    session.install(*CONSTRAINTS, "pytest", "numpy", "matplotlib", *map(str, sorted(dist.glob("*.whl"))))
+    # what the tests need besides the wheels, as in `tests`: numpy (Triton's interpreter), matplotlib
+    # (kpt-core's roofline test), rich (kpt-core[cli])
+    session.install(*CONSTRAINTS, "pytest", "numpy", "matplotlib", "rich", *map(str, sorted(dist.glob("*.whl"))))
     session.run("python", "scripts/installed_from_wheels.py", *map(str, packages))
     for package in packages:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"{package}/tests", *session.posargs,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from kpt.cli import main
 
 def test_kpt_info_shows_backends_choice_and_kernels(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "rich", None)  # without the cli extra: the plain table
     monkeypatch.setenv("KPT_BACKEND", "reference")
     assert main(["info"]) == 0
     out = capsys.readouterr().out
@@ -19,6 +22,16 @@ def test_kpt_info_shows_backends_choice_and_kernels(capsys: pytest.CaptureFixtur
     assert "kpt.get_backend() here: reference" in out
     assert "  rms_norm(x, weight=None, eps=1e-06)\n" in out
     assert f"kernels ({len(kpt.SPECS)};" in out
+
+
+def test_kpt_info_draws_a_rich_table_with_the_cli_extra(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KPT_BACKEND", "reference")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert kpt.list_backends().table() not in out
+    assert all(f"│ {i.name} " in out for i in kpt.list_backends())
+    assert "kpt.get_backend() here: reference" in out and "  rms_norm(x, weight=None, eps=1e-06)\n" in out
 
 
 def test_kpt_info_names_the_variable_that_breaks_the_choice(capsys: pytest.CaptureFixture[str],

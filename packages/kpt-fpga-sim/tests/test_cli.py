@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kpt_fpga_sim.__main__ import main
 
 
@@ -33,3 +35,23 @@ def test_module_entry_point() -> None:
                            "--dataflow", "on,off"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "dataflow=True" in done.stdout and "dataflow=False" in done.stdout
+
+
+def test_kpt_fpga_report_is_the_same_table(capsys) -> None:
+    from kpt.cli import main as kpt_main
+
+    args = ["linear", "--shape", "256,512,1024", "--reuse", "1,2", "--device", "u280"]
+    assert kpt_main(["fpga-report", "compare", *args]) == 0
+    via_kpt = capsys.readouterr().out
+    assert main(["compare", *args]) == 0
+    assert via_kpt == capsys.readouterr().out and via_kpt.startswith("u280 @ 300 MHz, float32")
+
+
+def test_kpt_fpga_report_help_is_the_simulators(capsys) -> None:
+    from kpt.cli import main as kpt_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        kpt_main(["fpga-report", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("compare", "estimate", "calibrate"))

@@ -35,6 +35,9 @@ def test_every_contract_kernel_is_wired_to_kpt_triton():
     for name, k in kernels.items():
         assert k.forward.body.__name__ == f"{name}_fwd"
         assert k.forward.body.__module__.startswith("kpt_triton.")
+    # the products through torch (hipBLASLt), the Triton activation as linear's epilogue
+    for name in ("linear", "grouped_linear"):
+        assert kernels[name].forward.body.__module__ == "kpt_triton.products"
 
 
 @pytest.mark.interpreter

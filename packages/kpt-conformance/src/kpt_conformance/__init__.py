@@ -23,7 +23,7 @@ SUITE = Path(__file__).parent / "suite"
 
 def check(backend: str, *, device: str | None = None, dtypes: Sequence[str] = (), kernels: Sequence[str] = (),
           seed: int | None = None, report: str | None = None, xfails: str | None = None,
-          pytest_args: Sequence[str] = ()) -> int:
+          pytest_args: Sequence[str] = (), plugins: Sequence[object] = ()) -> int:
     """Run the conformance suite on ``backend``; returns the exit status (0: every kernel passed).
 
     ``device`` overrides where the inputs go (default: the backend's `kpt.Backend.device`);
@@ -31,7 +31,8 @@ def check(backend: str, *, device: str | None = None, dtypes: Sequence[str] = ()
     of the contract); ``seed`` replays a run's random inputs (default: fresh, printed and saved
     in the report); ``report`` is the report directory (default ``reports/<profile>``);
     ``xfails`` an xfail file, or a directory holding ``<profile>.txt``; ``pytest_args`` go to
-    pytest as they are (``-x``, ``-k rms_norm``, ``-v``).
+    pytest as they are (``-x``, ``-k rms_norm``, ``-v``); ``plugins``: pytest plugin objects
+    (``kpt check``'s progress bar, `kpt_conformance.progress`).
     """
     import pytest
 
@@ -42,4 +43,4 @@ def check(backend: str, *, device: str | None = None, dtypes: Sequence[str] = ()
     for option, value in options.items():
         if value not in (None, ""):
             args += [option, str(value)]
-    return int(pytest.main([*args, *pytest_args]))
+    return int(pytest.main([*args, *pytest_args], plugins=list(plugins)))

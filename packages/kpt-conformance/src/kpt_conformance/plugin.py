@@ -39,6 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kpt-seed", type=int, default=None, help="replay a run's random inputs (default: fresh)")
     group.addoption("--kpt-fuzz-examples", type=int, default=25,
                     help="invalid calls hypothesis tries per kernel (default: 25)")
+    group.addoption("--kpt-fuzz-valid-examples", type=int, default=3,
+                    help="valid calls hypothesis checks against the oracle per kernel (default: 3)")
 
 
 def _load_backend(name: str) -> tuple[kpt.Backend | None, str, dict[str, tuple[str, ...]]]:

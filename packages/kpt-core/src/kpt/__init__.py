@@ -12,21 +12,33 @@ The contract (every kernel's signature, checks, reference math and cost) lives i
 
 from __future__ import annotations
 
-from .backend import CONTRACT_VERSION, Backend, PerfBar, describe_missing, kernels_from, missing_kernels
+from . import nn
+from .backend import CONTRACT_VERSION, SPECIAL_VALUES, Backend, PerfBar, describe_missing, kernels_from, missing_kernels
 from .errors import BackendError, KernelInputError, KernelNotSupportedError
 from .hookspecs import hookimpl
 from .kernels import SPECS
 from .ops import Kernel
 from .overview import info, list_kernels
-from .registry import BackendInfo, BackendList, Registry, get_backend, list_backends, reload_backends
+from .patch import AutoModelForCausalLM, PatchSummary, patch, unpatch
+from .registry import (
+                       BackendInfo,
+                       BackendList,
+                       Registry,
+                       backend_for,
+                       get_backend,
+                       list_backends,
+                       reload_backends,
+                       use_backend,
+)
 from .spec import FLOAT_DTYPES, BadInput, BadValues, Case, KernelSpec, checked_values
 from .tolerance import Tolerance, default_tolerance
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECS", "Backend", "BackendError", "BackendInfo", "BackendList",
-    "BadInput", "BadValues", "Case", "Kernel", "KernelInputError", "KernelNotSupportedError", "KernelSpec",
-    "PerfBar", "Registry", "Tolerance", "checked_values", "default_tolerance", "describe_missing", "get_backend",
-    "hookimpl", "info", "kernels_from", "list_backends", "list_kernels", "missing_kernels", "reload_backends",
+    "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECIAL_VALUES", "SPECS", "AutoModelForCausalLM", "Backend", "BackendError",
+    "BackendInfo", "BackendList", "BadInput", "BadValues", "Case", "Kernel", "KernelInputError",
+    "KernelNotSupportedError", "KernelSpec", "PatchSummary", "PerfBar", "Registry", "Tolerance", "backend_for",
+    "checked_values", "default_tolerance", "describe_missing", "get_backend", "hookimpl", "info", "kernels_from",
+    "list_backends", "list_kernels", "missing_kernels", "nn", "patch", "reload_backends", "unpatch", "use_backend",
 ]

@@ -15,6 +15,7 @@ import abc
 import difflib
 import functools
 import re
+import sys
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from .tolerance import Tolerance
 CONTRACT_VERSION = 1
 """The version of the kernel contract (docs/contract.md; its changes in CHANGELOG.md) that this
 kpt-core implements; backends declare the one they target."""
+
+SPECIAL_VALUES: tuple[str, ...] = ("zero", "subnormal", "max", "inf", "nan")
+"""The kinds of special values of a floating-point input: ±0, subnormals, ±max of the dtype, ±inf, NaN."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,12 @@ class Backend(KernelMethods):
     def unsupported(self, kernel: str, args: Mapping[str, Any]) -> str | None:
         """Why this valid call is not supported here (raised as KernelNotSupportedError), or None."""
         return None
+
+    def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
+        """The kinds of `SPECIAL_VALUES` that ``kernel`` takes in ``dtype`` as the contract says
+        (`kpt.kernels`, "Special values"): the conformance suite fuzzes it with those. A format
+        without them (a fixed-point design) takes none; a documented limitation leaves one out."""
+        return SPECIAL_VALUES
 
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         """A tolerance other than the default table's, with its reason; None keeps the default."""
@@ -156,6 +166,8 @@ class Backend(KernelMethods):
         bound_kernels = self._bound
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
+        if not traced and (dtensors := _distributed(self, values, tensors)) is not None:
+            values, traced = dtensors, True
         if spec.check_values is not None and not traced and values_checked(self.checks_values):
             spec.check_values(bound)
         if traced:
@@ -173,6 +185,22 @@ class Backend(KernelMethods):
             out = bound_kernels.kernels[kernel].forward(*values)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
+
+
+def _distributed(backend: Backend, values: list[Any], tensors: list[torch.Tensor]) -> list[Any] | None:
+    """Where a tensor is a DTensor: ``values`` with every other tensor made a replicated DTensor
+    on its mesh (a norm's weight, a loss's targets), for the op, which DTensor runs on each rank's
+    shard by `kpt.distributed`'s rules (registered here the first time; a call compiled before
+    any eager one finds them once ``kpt.distributed`` is imported). None where there is none. As
+    under ``torch.compile``, index values are not checked: they would be read from every shard."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    mesh = next((t.device_mesh for t in tensors if isinstance(t, dtensor.DTensor)), None) if dtensor else None
+    if mesh is None:
+        return None
+    from . import distributed
+
+    distributed.register_rules(backend.op_namespace)
+    return [distributed.replicated(v, mesh) for v in values]
 
 
 def unknown_kernel(name: str) -> str:

@@ -17,6 +17,7 @@ feels, so eager calls take a shorter road with the same bodies and the same auto
 from __future__ import annotations
 
 import inspect
+import sys
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
@@ -64,9 +65,21 @@ def backward_schema(spec: KernelSpec) -> str:
               for name, p in zip(names, _params(spec.forward))]
     params += [f"Tensor out_{name}" for name in spec.outputs + spec.saved]
     params += [f"Tensor? grad_{name}" for name in spec.outputs]
-    n = len(spec.differentiable)
+    n = backward_results(spec)
     returns = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
     return f"({', '.join(params)}) -> {returns}"
+
+
+def gradient_results(spec: KernelSpec) -> list[int]:
+    """For each differentiable input, which result of the backward body is its gradient: its own,
+    unless ``spec.grads`` hands one result to several inputs."""
+    indices = tuple(range(len(spec.differentiable)))
+    return list(indices if spec.grads is None else spec.grads(indices))  # type: ignore[arg-type]
+
+
+def backward_results(spec: KernelSpec) -> int:
+    """How many tensors the backward body returns."""
+    return max(gradient_results(spec)) + 1
 
 
 def as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
@@ -97,6 +110,10 @@ def register_all(namespace: str, kernels: Mapping[str, Kernel]) -> dict[str, Any
     _BODIES[namespace] = kernels
     if namespace not in _OPS:
         _OPS[namespace] = {name: _register(namespace, spec) for name, spec in SPECS.items()}
+        if "torch.distributed.tensor" in sys.modules:  # DTensors in use: their sharding rules
+            from .distributed import register_rules
+
+            register_rules(namespace)
     return _OPS[namespace]
 
 
@@ -111,7 +128,7 @@ def _register(namespace: str, spec: KernelSpec) -> Any:
     if not spec.differentiable:
         return fwd
     assert spec.backward is not None
-    n_grad = len(spec.differentiable)
+    n_grad = backward_results(spec)
     # ops are functional: the backward body may overwrite its reusable inputs, so it gets copies
     n_args = len(inspect.signature(spec.forward).parameters)
     copied = [n_args + (spec.outputs + spec.saved).index(name) for name in spec.reusable]

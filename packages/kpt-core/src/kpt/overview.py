@@ -48,9 +48,10 @@ def provenance(device: torch.device | str) -> dict[str, Any]:
             "timestamp": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
-def info() -> str:
-    """Versions, the installed backends (`list_backends`), the one `get_backend` picks here, and
-    the kernels with their parameters."""
+def info(backends: str | None = None) -> str:
+    """Versions, the installed backends (`list_backends`, or ``backends`` when given: the same
+    table rendered otherwise), the one `get_backend` picks here, and the kernels with their
+    parameters."""
     from . import __version__
 
     try:
@@ -61,7 +62,7 @@ def info() -> str:
         f"kpt {__version__} (kernel contract v{CONTRACT_VERSION}), torch {torch.__version__}, "
         f"Python {platform.python_version()}",
         "",
-        list_backends().table(),
+        list_backends().table() if backends is None else backends,
         "",
         f"kpt.get_backend() here: {chosen}",
         "",

@@ -8,14 +8,17 @@ recorded with the reason and skipped; the others load. Set ``KPT_STRICT_PLUGINS=
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, cast
 
 import pluggy
+import torch
 
 from . import hookspecs, reference
 from .backend import CONTRACT_VERSION, Backend, describe_missing, missing_kernels
@@ -44,14 +47,19 @@ class BackendInfo:
 class BackendList(list[BackendInfo]):
     """What `list_backends` returns: a list of `BackendInfo` that prints as a table."""
 
-    def table(self) -> str:
-        """One row per backend: who makes it, its device, its priority, and whether it can be
-        used here (a simulator only when named), else why not."""
-        rows = [("backend", "vendor", "device", "priority", "usable", "why not")]
+    def rows(self) -> list[tuple[str, ...]]:
+        """The header, then one row of strings per backend (what `table` aligns)."""
+        rows: list[tuple[str, ...]] = [("backend", "vendor", "device", "priority", "usable", "why not")]
         for i in self:
             usable = ("yes, when named (simulator)" if i.simulator else "yes") if i.available else "no"
             why = i.reason + (f" ({i.error})" if i.error else "")
             rows.append((i.name, i.vendor, i.device_type, str(i.priority), usable, why))
+        return rows
+
+    def table(self) -> str:
+        """One row per backend: who makes it, its device, its priority, and whether it can be
+        used here (a simulator only when named), else why not."""
+        rows = self.rows()
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
         return "\n".join("  ".join([*(v.ljust(w) for v, w in zip(row, widths)), row[-1]]).rstrip() for row in rows)
 
@@ -72,6 +80,7 @@ class Registry:
         self.backends: dict[str, Backend] = {}
         self._seen: dict[str, Backend] = {}
         self.infos: dict[str, BackendInfo] = {}
+        self._by_device: dict[str, Backend] = {}
         self._plugins = pluggy.PluginManager(hookspecs.PROJECT)
         self._plugins.add_hookspecs(hookspecs)
         self._add_plugin("reference", lambda: reference)
@@ -149,6 +158,23 @@ class Registry:
             raise BackendError(f"kpt backend {name!r}{source} is not available here: {info.reason}")
         return self._bound(self.backends[name])
 
+    def for_device(self, device: torch.device) -> Backend:
+        """The highest-priority usable backend (simulators excluded) whose tensors live on
+        ``device``'s type; ``reference`` for CPU tensors when no other backend claims the CPU.
+        Remembered per device type (the layers of a model ask at every call)."""
+        if device.type in self._by_device:
+            return self._by_device[device.type]
+        for i in self.list():
+            backend = self.backends.get(i.name)
+            if backend is not None and i.available and not i.simulator and backend.device().type == device.type:
+                self._by_device[device.type] = self._bound(backend)
+                return backend
+        if device.type == "cpu":
+            self._by_device["cpu"] = self._bound(self.backends["reference"])
+            return self._by_device["cpu"]
+        raise BackendError(f"no usable kpt backend for {device.type} tensors; installed: "
+                           f"{', '.join(sorted(self.infos))} (kpt info says why each can or cannot run here)")
+
     @staticmethod
     def _bound(backend: Backend) -> Backend:
         backend.bind()
@@ -172,15 +198,50 @@ def reload_backends(strict: bool | None = None) -> Registry:
     return _registry
 
 
+_pinned: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("kpt_pinned_backend", default=None)
+
+
 def get_backend(name: str | None = None) -> Backend:
     """The backend to run kernels on.
 
-    ``name`` if given, else the ``KPT_BACKEND`` environment variable, else the highest-priority
-    backend available on this machine (simulators excluded), else ``reference``.
+    ``name`` if given, else the one `use_backend` pins, else the ``KPT_BACKEND`` environment
+    variable, else the highest-priority backend available on this machine (simulators excluded),
+    else ``reference``.
     Raises `kpt.BackendError` for an unknown name (listing the registered ones) or a backend
     that cannot run here (saying why).
     """
-    return registry().get(name)
+    pinned = _pinned.get()
+    return pinned if name is None and pinned is not None else registry().get(name)
+
+
+def backend_for(device: torch.device | str) -> Backend:
+    """The backend for tensors on ``device`` (what the `kpt.nn` layers call): the one
+    `use_backend` pins, else ``KPT_BACKEND``, else the highest-priority usable backend of that
+    device type (a model on ``cuda`` gets the cuda backend, the same model on the CPU the
+    reference backend). Raises `kpt.BackendError` when no installed backend runs there."""
+    pinned = _pinned.get()
+    if pinned is not None:
+        return pinned
+    if os.environ.get("KPT_BACKEND"):
+        return registry().get()
+    return registry().for_device(torch.device(device))
+
+
+@contextlib.contextmanager
+def use_backend(backend: str | Backend) -> Iterator[Backend]:
+    """``with kpt.use_backend("fpga-sim"):`` pins one backend (by name, or a backend object such
+    as a configured simulator) for `get_backend` and every `kpt.nn` layer inside the block (this
+    thread or task only); yields it. A name is checked on entry (`kpt.BackendError` for an
+    unknown or unusable backend)."""
+    if isinstance(backend, str):
+        backend = registry().get(backend)
+    else:
+        backend.bind()
+    token = _pinned.set(backend)
+    try:
+        yield backend
+    finally:
+        _pinned.reset(token)
 
 
 def list_backends() -> BackendList:

@@ -169,7 +169,9 @@ def snapshot(args: Args) -> dict[str, torch.Tensor]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    # a copy with dense strides: a tensor with a dimension of size 0 or 1 counts as contiguous
+    # whatever its strides, and a view as bytes needs a last stride of 1
+    return t.clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
 
 
 def modified(args: Args, before: dict[str, torch.Tensor]) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kpt import Backend, Kernel, PerfBar, Tolerance, default_tolerance, kernels_from
+from kpt import SPECIAL_VALUES, Backend, Kernel, PerfBar, Tolerance, default_tolerance, kernels_from
 from kpt.kernels import SPECS
 
 from . import kernels as kernel_modules
@@ -142,6 +142,11 @@ class FpgaSimBackend(Backend):
         kernels that compute in floats in every mode."""
         fmt = self.config.format
         return fmt if isinstance(fmt, ApFixed) and kernel not in FLOAT_ONLY else None
+
+    def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
+        """A kernel that computes in a fixed-point format saturates infinities and flushes
+        subnormals: it is fuzzed with finite values of its range only."""
+        return SPECIAL_VALUES if self._fixed_format(kernel) is None else ()
 
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         fmt = self._fixed_format(kernel)

@@ -1,8 +1,9 @@
 """`RocmBackend`: the portable Triton kernels of kpt-triton, tuned per AMD architecture.
 
 Only wiring on `kpt_triton.backend.TritonBackend`: device detection in `device`, tuning tables
-(and the float8 handling of each architecture) in `tuning`. The products (``linear``,
-``fp8_linear`` on gfx950) run through torch, i.e. hipBLASLt.
+(and the float8 handling of each architecture) in `tuning`. The products (``linear`` and
+``grouped_linear``: `kpt_triton.products`; ``fp8_linear`` on gfx950) run through torch, i.e.
+hipBLASLt, with kpt-triton's activation kernel as linear's epilogue.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class RocmBackend(TritonBackend):
     priority = 100
     tables = tuning.TABLES
     spills = tuning.SPILLS
+    torch_products = True
 
     def device_status(self) -> tuple[bool, str]:
         return device.status()

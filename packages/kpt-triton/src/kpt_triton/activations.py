@@ -39,8 +39,10 @@ _TANH_CUBIC = tl.constexpr(0.044715)
 
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    """act(x) and act'(x), float32."""
-    if ACT == "silu":
+    """act(x) and act'(x), float32; relu'(0) = 0, and relu passes a NaN on."""
+    if ACT == "relu":
+        return tl.where(x < 0.0, 0.0, x), tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == "silu":
         s = tl.sigmoid(x)
         return x * s, s * (1.0 + x * (1.0 - s))
     elif ACT == "gelu_tanh":
@@ -59,7 +61,7 @@ def _act_fwd_kernel(
     X, UP, Y,  # UP only with GATED; Y is contiguous [R, D]
     R, D,
     stride_xr, stride_xc, stride_ur, stride_uc,
-    ACT: tl.constexpr,  # "gelu", "gelu_tanh" or "silu"
+    ACT: tl.constexpr,  # "relu", "gelu", "gelu_tanh" or "silu"
     GATED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -123,6 +125,12 @@ def _backward(act, x, up, dy, block, elems_per_warp):
             num_warps=warps(block_r * block_d, elems_per_warp),
         )
     return (dx,) if up is None else (dx, dup)
+
+
+def activation_fwd(act: str, x: torch.Tensor, *, block: int = 4096, elems_per_warp: int = 512) -> torch.Tensor:
+    """``act(x)`` (``act``: "relu", "gelu", "gelu_tanh" or "silu") in one pass, in x's dtype: the
+    epilogue of a product computed elsewhere (`kpt_triton.products`)."""
+    return _forward(act, x, None, block, elems_per_warp)[0]
 
 
 def _gelu(approximate: str) -> str:

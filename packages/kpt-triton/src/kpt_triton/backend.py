@@ -1,4 +1,4 @@
-"""`TritonBackend`: the base of every vendor backend built on these kernels (kpt-cuda, kpt-rocm).
+"""`TritonBackend`: the base of every vendor backend built on these kernels (kpt-cuda, kpt-rocm, kpt-xpu).
 
 A vendor package fills in only what differs per vendor::
 
@@ -8,6 +8,7 @@ A vendor package fills in only what differs per vendor::
         def device_status(self): ...             # (True, "") or (False, "no AMD GPU visible")
         def detect_arch(self): ...               # the arch tag of the GPU here ("gfx942")
         def interpreter_arch(self): ...          # the arch whose tuning the interpreter runs
+        torch_products = True                    # optional: linear, grouped_linear through torch
 
 and inherits the rest: the kernel list (derived from ``kpt.SPECS``: each kernel's body is
 ``kpt_triton.<family>.<kernel>_fwd``/``_bwd``, the family being the module of its spec), the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import abc
 import functools
 import importlib
+import inspect
 import os
 import types
 from collections.abc import Callable, Mapping
@@ -56,6 +58,15 @@ def portable_modules() -> dict[str, types.ModuleType]:
             for name, spec in kpt.SPECS.items()}
 
 
+def tuning_parameters() -> dict[str, frozenset[str]]:
+    """The keyword-only tuning parameters of every portable launcher, by launcher name: what a
+    tuning table may set (a table built from this list covers every kernel of ``kpt.SPECS``)."""
+    bodies = [f for k in kpt.kernels_from(*dict.fromkeys(portable_modules().values())).values()
+              for f in (k.forward, k.backward) if f is not None]
+    return {f.__name__: frozenset(n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY)
+            for f in bodies}
+
+
 class Tuned:
     """A kernel body called with the tuning keywords of an architecture, looked up at its first
     call (importing and binding a backend never touches the device)."""
@@ -82,6 +93,10 @@ class TritonBackend(kpt.Backend):
     """Tuning tables by arch tag."""
     spills: ClassVar[Mapping[str, Mapping[str, str]]] = {}
     """Register spills accepted per arch tag: Triton kernel name -> the reason (`kpt_triton.aot`)."""
+    torch_products: ClassVar[bool] = False
+    """Run the matrix products (``linear``, ``grouped_linear``) through torch, i.e. the vendor's BLAS
+    library, instead of kpt-triton's Triton GEMMs: `kpt_triton.products` (under the interpreter too,
+    so that its bodies are what CPU tests run)."""
 
     def __init__(self, arch: str | None = None) -> None:
         self._arch = arch
@@ -122,10 +137,11 @@ class TritonBackend(kpt.Backend):
     def kernels(self) -> dict[str, kpt.Kernel]:
         native = () if interpreted() else self.native_modules()
         modules = dict.fromkeys(portable_modules().values())
+        products = (importlib.import_module("kpt_triton.products"),) if self.torch_products else ()
         return {
             name: kpt.Kernel(Tuned(k.forward, self.params),
                              Tuned(k.backward, self.params) if k.backward is not None else None)
-            for name, k in kpt.kernels_from(*modules, *native).items()
+            for name, k in kpt.kernels_from(*modules, *products, *native).items()
         }
 
     def perf_bar(self, kernel: str, mode: str) -> kpt.PerfBar:
@@ -139,6 +155,13 @@ class TritonBackend(kpt.Backend):
             return kpt.PerfBar(min_speedup=2.0, min_ceiling_fraction=0.6 if mode == "fwd" else None)
         return kpt.PerfBar(min_speedup=1.0)
 
+    def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
+        """All of them, but no bfloat16 subnormals under the interpreter: Triton's interpreter
+        (3.6) converts them to float32 wrongly (2.85e-39 is read as 1.10e-38); GPUs convert exactly."""
+        if interpreted() and dtype == torch.bfloat16:
+            return tuple(s for s in kpt.SPECIAL_VALUES if s != "subnormal")
+        return kpt.SPECIAL_VALUES
+
     @property
     def simulator(self) -> bool:  # type: ignore[override]
         """Under Triton's interpreter the backend is a CPU simulation of itself: usable when
@@ -146,7 +169,7 @@ class TritonBackend(kpt.Backend):
         return interpreted()
 
     def device(self) -> torch.device:
-        return torch.device("cpu") if interpreted() else torch.device("cuda")
+        return torch.device("cpu") if interpreted() else torch.device(self.device_type)
 
     @property
     def conformance_profile(self) -> str:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import cdiv, next_pow2, persistent_programs, warps
+from .tiling import cdiv, next_pow2, persistent_programs, vector, warps
 
 
 @triton.jit
@@ -81,7 +81,8 @@ def _cross_entropy_row(
             if SMOOTHING:
                 z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
             m = m_new
-        lse = m + tl.log(s)
+        # a +inf logit makes s NaN (inf − inf); the log-sum-exp is then +inf, as in the reference
+        lse = tl.where(m == float("inf"), m, m + tl.log(s))
         tl.store(LSE + row, lse)
     else:
         lse = tl.load(LSE + row)
@@ -128,7 +129,7 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
         return
     block = min(next_pow2(v), block_v)
     _cross_entropy_kernel[(persistent_programs(n, z.device, programs_per_sm),)](
-        z, target, bias, grad, loss, lse, dz, n, v,
+        z, vector(target), vector(bias), grad, loss, lse, dz, n, v,
         z.stride(0), z.stride(1), grad.stride(0) if grad is not None and grad.dim() else 0,
         dz.stride(0) if dz is not None else 0, ignore_index, label_smoothing,
         HAS_BIAS=bias is not None, SMOOTHING=label_smoothing > 0, COMPUTE_LSE=compute_lse,

@@ -35,9 +35,26 @@ from .tiling import as_rows, cdiv, load_tile, next_pow2, persistent_programs, ro
 
 @triton.jit
 def _scale_of(amax, FP8_MAX: tl.constexpr):
-    """amax / fp8_max, or 1 where that is 0 (all-zero input, or an amax that underflows)."""
+    """amax / fp8_max, or 1 where that is 0 (all-zero input, or an amax that underflows); a NaN
+    amax gives a NaN scale, as in the reference."""
     scale = amax / FP8_MAX
-    return tl.where(scale > 0.0, scale, 1.0)
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _inverse_scale(scale):
+    """``(p, 1 / (p · scale))``, p = 2^64 where 1 / scale would overflow float32 (a scale below
+    2^-128, from an amax of subnormals), else 1: x / scale is then (x · p) · (1 / (p · scale)),
+    the product by p exact."""
+    p = tl.where(scale < 1.0e-30, 18446744073709551616.0, 1.0)
+    return p, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale * p)
+
+
+@triton.jit
+def _nan_max(a, axis):
+    """The maximum of ``a`` along ``axis``, NaN where any element is NaN (as torch.amax: a GPU's
+    maximum instruction, which tl.max uses, drops NaN)."""
+    return tl.where(tl.max((a != a).to(tl.int32), axis=axis) > 0, float("nan"), tl.max(a, axis=axis))
 
 
 @triton.jit
@@ -54,7 +71,8 @@ def _encode(x, inv_scale, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.c
     conversion (NVIDIA before sm89 lacks e4m3), and the interpreter's does not carry a rounding
     into the exponent.
     """
-    v = tl.minimum(tl.maximum(x * inv_scale, -FP8_MAX), FP8_MAX)
+    nan = tl.PropagateNan.ALL  # a NaN stays NaN (a GPU's minimum and maximum would drop it)
+    v = tl.minimum(tl.maximum(x * inv_scale, -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan)
     if NATIVE:
         fp8 = tl.float8e4nv if MBITS == 3 else tl.float8e5
         return v.to(fp8).to(tl.uint8, bitcast=True)
@@ -111,21 +129,21 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask0 = row_ok[:, None] & (cols < D)[None, :]
     x0 = load_tile(X, rows, cols, stride_xr, stride_xc, mask0)
-    amax = tl.max(tl.abs(x0), axis=1)
+    amax = _nan_max(tl.abs(x0), 1)
     for c in range(BLOCK_D, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
         x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        amax = tl.maximum(amax, _nan_max(tl.abs(x), 1), propagate_nan=tl.PropagateNan.ALL)
     scale = _scale_of(amax, FP8_MAX)
     tl.store(SCALE + rows, scale, mask=row_ok)
-    inv_scale = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), scale)
+    pre, inv_scale = _inverse_scale(scale)
     for c in range(0, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
         if c == 0:
             x = x0
         else:
             x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-        xq = _encode(x, inv_scale[:, None], FP8_MAX, MBITS, EMIN, NATIVE)
+        xq = _encode(x * pre[:, None], inv_scale[:, None], FP8_MAX, MBITS, EMIN, NATIVE)
         tl.store(XQ + rows[:, None] * D + c + cols[None, :], xq, mask=mask)
 
 
@@ -141,8 +159,9 @@ def _amax_kernel(
     amax = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for t in range(pid, tl.cdiv(R, BLOCK_R) * tl.cdiv(D, BLOCK_D), tl.num_programs(0)):
         rows, cols, mask = tile_of(t, R, D, BLOCK_R, BLOCK_D)
-        amax = tl.maximum(amax, tl.abs(load_tile(X, rows, cols, stride_xr, stride_xc, mask)))
-    tl.store(PARTIAL + pid, tl.max(tl.max(amax, axis=1), axis=0))
+        amax = tl.maximum(amax, tl.abs(load_tile(X, rows, cols, stride_xr, stride_xc, mask)),
+                          propagate_nan=tl.PropagateNan.ALL)
+    tl.store(PARTIAL + pid, _nan_max(_nan_max(amax, 1), 0))
 
 
 @triton.jit
@@ -160,12 +179,12 @@ def _quantize_tensor_kernel(
 ):
     pid = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)
-    scale = _scale_of(tl.max(tl.load(PARTIAL + p, mask=p < P, other=0.0), axis=0), FP8_MAX)
+    scale = _scale_of(_nan_max(tl.load(PARTIAL + p, mask=p < P, other=0.0), 0), FP8_MAX)
     if pid == 0:
         tl.store(SCALE, scale)
     rows, cols, mask = tile_of(pid, R, D, BLOCK_R, BLOCK_D)
-    inv_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
-    xq = _encode(load_tile(X, rows, cols, stride_xr, stride_xc, mask), inv_scale, FP8_MAX, MBITS, EMIN, NATIVE)
+    pre, inv_scale = _inverse_scale(scale)
+    xq = _encode(load_tile(X, rows, cols, stride_xr, stride_xc, mask) * pre, inv_scale, FP8_MAX, MBITS, EMIN, NATIVE)
     tl.store(XQ + rows[:, None] * D + cols[None, :], xq, mask=mask)
 
 

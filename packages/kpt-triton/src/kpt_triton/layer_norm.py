@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, store_output, warps
+from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, store_output, vector, warps
 
 
 @triton.jit
@@ -193,7 +193,7 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     if n_rows:
         _layer_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
-            x2, weight, bias, y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
+            x2, vector(weight), vector(bias), y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
             num_warps=warps(block_r * block_d, elems_per_warp),
@@ -218,7 +218,7 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 
              for p in (weight, bias)]
     if programs:
         _layer_norm_bwd_kernel[(programs,)](
-            x2, weight, mean, rstd, dy2, dx, *parts, n_rows, d,
+            x2, vector(weight), mean, rstd, dy2, dx, *parts, n_rows, d,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),

@@ -29,7 +29,7 @@ import triton.language as tl
 from kpt.spec import rows
 
 from .activations import _act
-from .tiling import cdiv
+from .tiling import cdiv, vector
 
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 """Promote dot operands to float32: set under the Triton interpreter, whose dot has no 16-bit types."""
@@ -47,14 +47,6 @@ def dot(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    """act(x) and act'(x) in float32; the pointwise family's activations plus relu."""
-    if ACTIVATION == "relu":
-        return tl.maximum(x, 0.0), tl.where(x > 0.0, 1.0, 0.0)
-    return _act(x, ACTIVATION)
 
 
 @triton.jit
@@ -101,7 +93,7 @@ def _linear_fwd_kernel(
     out = tile_m[:, None] * N + tile_n[None, :]
     mask = (row0 + tile_m[:, None] < M) & (col0 + tile_n[None, :] < N)
     tl.store(PRE + corner + out, acc.to(PRE.dtype.element_ty), mask=mask)
-    y, _ = _activation(acc, ACTIVATION)
+    y, _ = _act(acc, ACTIVATION)
     tl.store(Y + corner + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -117,7 +109,7 @@ def _activation_bwd_kernel(
     dy = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn, mask=mask, other=0.0)
     ptrs = offs_m[:, None] * N + offs_n[None, :]
     pre = tl.load(PRE + ptrs, mask=mask, other=0.0).to(tl.float32)
-    _, grad = _activation(pre, ACTIVATION)
+    _, grad = _act(pre, ACTIVATION)
     dpre = dy.to(tl.float32) * grad
     tl.store(DPRE + ptrs, dpre.to(DPRE.dtype.element_ty), mask=mask)
 
@@ -143,7 +135,7 @@ def linear_fwd(
     pre = torch.empty(shape, dtype=x.dtype, device=x.device)
     if y.numel():
         _linear_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
-            x2, weight, bias, y, pre, M, N, K, *x2.stride(), *weight.stride(),
+            x2, weight, vector(bias), y, pre, M, N, K, *x2.stride(), *weight.stride(),
             HAS_BIAS=bias is not None, ACTIVATION=activation,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
             DOT_FP32=DOT_FP32, PRECISION=dot_precision(x.dtype, fp32_precision),

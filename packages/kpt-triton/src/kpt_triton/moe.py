@@ -46,7 +46,7 @@ from kpt.kernels.moe import expert_bounds
 
 from .launch import cached_launch
 from .linear import DOT_FP32, dot, dot_precision
-from .tiling import cdiv, next_pow2
+from .tiling import cdiv, next_pow2, vector
 
 
 @triton.jit
@@ -422,6 +422,7 @@ def moe_dispatch_fwd(
 
 def _inverse(order: torch.Tensor, *, block: int = 1024) -> torch.Tensor:
     """``inverse[order[r]] = r``: the sorted row of every pair (-1 for none, the last of several)."""
+    order = vector(order)
     inverse = torch.full_like(order, -1)
     if order.numel():
         _invert_kernel[(cdiv(order.numel(), block),)](order, inverse, order.numel(), BLOCK=block)
@@ -482,7 +483,7 @@ def moe_combine_bwd(
     if dy is None or P == 0:
         return dy_sorted, dweights
     _moe_combine_bwd_kernel[(cdiv(P, block_r),)](
-        y_sorted, order, _inverse(order), weights, dy, dy_sorted, dweights, P, k, H,
+        y_sorted, vector(order), _inverse(order), weights, dy, dy_sorted, dweights, P, k, H,
         *y_sorted.stride(), *weights.stride(), *dy.stride(),
         BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(H)), num_warps=num_warps,
     )

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, warps
+from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, vector, warps
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     if n_rows:
         _rms_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
-            x2, res2, weight, y, h, rstd, n_rows, d,
+            x2, res2, vector(weight), y, h, rstd, n_rows, d,
             x2.stride(0), x2.stride(1), res2.stride(0), res2.stride(1), eps,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
@@ -185,7 +185,7 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
         (programs, d) if weight is not None else (0,), dtype=torch.float32, device=h.device)
     if programs:
         _rms_norm_bwd_kernel[(programs,)](
-            h2, weight, rstd, dy2, dh2, dx, part, n_rows, d,
+            h2, vector(weight), rstd, dy2, dh2, dx, part, n_rows, d,
             h2.stride(0), h2.stride(1), dy2.stride(0), dy2.stride(1), dh2.stride(0), dh2.stride(1),
             HAS_WEIGHT=weight is not None, HAS_DH=dh is not None,
             BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),

@@ -81,6 +81,12 @@ def load_tile(PTR, rows, cols, stride_r, stride_c, mask):
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
+def vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A vector argument (a weight, a bias, targets) as the kernels read it: contiguous, copied only
+    where it is not (an expanded or sliced one); None stays None."""
+    return None if t is None else t.contiguous()
+
+
 @triton.jit
 def load_vector(PTR, cols, D):
     """Elements ``cols`` of a contiguous vector of ``D`` (a weight, a bias), as float32; 0 past D."""

@@ -2,6 +2,29 @@
 
 ``SPECS`` maps every kernel name of the contract to its spec, in the contract's order (that of
 the kernel reference, docs/reference/kernels.md).
+
+Special values
+--------------
+Inputs may hold ±0, subnormals, ±max of their dtype, ±inf and NaN; every kernel's result for them
+is its reference math's (the float64 oracle), with these rules where that math is silent:
+
+* NaN propagates: an output that depends on a NaN input is NaN (a row-wise kernel's whole row, a
+  product's row and column, a loss whose row holds one), never a value a GPU's NaN-dropping
+  minimum or maximum would give. ``relu(NaN)`` is NaN; ``quantize_fp8`` of a row (or tensor)
+  holding a NaN has a NaN scale, so every value quantized with it is NaN.
+* Infinities follow IEEE arithmetic through the reference math: ``softmax`` of a row holding +inf
+  is NaN (inf − inf), ``cross_entropy`` of a row with a +inf logit is +inf (NaN where the target
+  or label smoothing takes that logit), a -inf logit is a class of probability 0.
+* The computation runs in float32 at least: where an intermediate value that the semantics name
+  (a square, a sum of squares, a product, ``x + residual``) overflows float32 for ±max inputs, a
+  kernel may return what that float32 computation gives (inf, NaN, or 0 after an infinite
+  denominator) instead of the float64 oracle's value; nowhere else.
+* Subnormal inputs are values like any other (no flush to zero in the inputs' dtype); signed
+  zeros compare equal.
+
+The conformance suite fuzzes every kernel with such values against the oracle by these rules
+(``test_fuzz_valid.py``); a backend whose number format has no special values (a fixed-point
+design) says so in `kpt.Backend.special_values` and is fuzzed with finite values only.
 """
 
 from __future__ import annotations

@@ -196,9 +196,11 @@ def _cases() -> list[Case]:
         case("strided", b=2, hq=4, hkv=2, sq=64, skv=64, d=64, causal=True, transposed=True),
         case("explicit_scale", b=1, hq=2, hkv=2, sq=16, skv=16, d=64, scale=0.3),
         # the extremes of scale: 0 (uniform weights, o = mean(v); a backend that reads 0 as "not
-        # given" applies D^-0.5) and 1 at D = 16, four times the default (near one-hot rows)
+        # given" applies D^-0.5) and 1 at D = 16, four times the default (near one-hot rows, whose
+        # 16-bit gradients reach 1.12x the default tolerance at some inputs: seed 1566592, bfloat16
+        # dq, on every backend sharing kpt-triton's kernel)
         case("scale_zero", b=1, hq=2, hkv=1, sq=16, skv=24, d=32, scale=0.0),
-        case("scale_large", b=1, hq=2, hkv=1, sq=16, skv=24, d=16, causal=True, scale=1.0),
+        case("scale_large", b=1, hq=2, hkv=1, sq=16, skv=24, d=16, causal=True, scale=1.0, tolerance_scale=2.0),
         # one key: every row of p is exactly 1, so dq and dk are exactly 0 (rounding of dp − Σ p·dp)
         case("single_key", b=2, hq=4, hkv=2, sq=1, skv=1, d=64, causal=True),
         case("zero_batch", b=0, hq=4, hkv=2, sq=16, skv=16, d=64),

@@ -166,8 +166,9 @@ def quantize_fp8_forward(x: Tensor, granularity: str, fp8_dtype: torch.dtype) ->
     # contiguous: elementwise results keep a transposed input's layout, outputs must not
     xc = x.to(compute_dtype(x.dtype)).contiguous()
     scale = _amax(xc, granularity) / torch.finfo(fp8_dtype).max
-    # also catches an amax so small that the division underflows to 0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # also catches an amax so small that the division underflows to 0; a NaN amax (a NaN in the
+    # row or tensor) stays NaN, and so does every value quantized with it
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return _saturate(xc / scale, fp8_dtype), scale
 
 

@@ -39,7 +39,7 @@ def quantize_fp8_fwd(x, granularity, fp8_dtype):
     else:
         amax = mag.amax() if x.numel() else mag.new_zeros(())
     scale = amax / a.const(fmt.max)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # a NaN amax stays NaN (the contract)
     xq = fmt.quantize(xv * a.recip(scale)).to(fp8_dtype).contiguous()
     return xq, a.out(scale, torch.float32)
 

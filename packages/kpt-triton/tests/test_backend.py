@@ -1,0 +1,132 @@
+"""`kpt_triton.backend.TritonBackend`, the base of the vendor backends, on a made-up vendor: its
+abstract hooks, availability and its reasons, the tuning lookup, the interpreter switch, the
+kernel list (portable, torch products, native bodies)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import kpt
+from kpt_triton import backend as base
+from kpt_triton import linear, moe, products
+
+TABLES = {"a1": {"rms_norm_fwd": {"tile_elems": 1024}}, "a2": {}, "sim": {"softmax_fwd": {"tile_elems": 256}}}
+
+
+class Acme(base.TritonBackend):
+    name, vendor = "acme", "Acme"
+    tables = TABLES
+    status = (False, "no Acme GPU visible")
+
+    def device_status(self):
+        return self.status
+
+    def detect_arch(self):
+        return "a1"
+
+    def interpreter_arch(self):
+        return "sim"
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.mark.parametrize("hook", ["device_status", "detect_arch", "interpreter_arch"])
+def test_a_vendor_missing_a_hook_fails_at_instantiation(hook):
+    hooks = {"device_status": lambda self: (True, ""), "detect_arch": lambda self: "a1",
+             "interpreter_arch": lambda self: "sim"}
+    del hooks[hook]
+    partial = type("Partial", (base.TritonBackend,), {"name": "partial", "vendor": "x", "tables": TABLES, **hooks})
+    with pytest.raises(TypeError, match=hook):
+        partial()
+
+
+def test_without_its_device_the_reason_says_how_to_run_anyway(on_device):
+    be = Acme()
+    assert be.is_available() == (False, "no Acme GPU visible (TRITON_INTERPRET=1 runs its Triton kernels "
+                                        "on CPU tensors)")
+    assert be.environment()["device"] == "none (no Acme GPU visible)"
+    assert not be.simulator and be.conformance_profile == "acme" and be.device() == torch.device("cuda")
+
+
+def test_on_its_device_the_detected_arch_is_tuned(on_device, monkeypatch):
+    monkeypatch.setattr(Acme, "status", (True, ""))
+    monkeypatch.setattr(Acme, "device_facts", lambda self: {"device": "Acme 1", "arch": self.arch()})
+    be = Acme()
+    assert be.is_available() == (True, "") and be.arch() == "a1"
+    assert be.params("rms_norm_fwd") == {"tile_elems": 1024}
+    assert be.params("softmax_fwd") == {}  # a launcher the table leaves out keeps its defaults
+    assert be.environment()["device"] == "Acme 1"
+
+
+def test_a_pinned_arch_wins_over_detection_and_the_interpreter(interpreted):
+    assert Acme(arch="a2").arch() == "a2" and Acme(arch="a2").params("rms_norm_fwd") == {}
+
+
+def test_the_interpreter_switch(interpreted):
+    be = Acme()
+    assert be.is_available() == (True, "")
+    assert be.arch() == "sim" and be.params("softmax_fwd") == {"tile_elems": 256}
+    assert be.simulator and be.device() == torch.device("cpu")
+    assert be.conformance_profile == "acme-interpret"
+    assert be.environment()["arch"] == "sim" and "interpreter" in be.environment()["device"]
+
+
+def test_tuned_bodies_look_their_tuning_up_at_the_first_call():
+    looked_up = []
+
+    def body(x, *, scale=1):
+        return x * scale
+
+    def params(launcher):
+        looked_up.append(launcher)
+        return {"scale": 3}
+
+    tuned = base.Tuned(body, params)
+    assert looked_up == [] and tuned.__name__ == "body"
+    assert tuned(2) == 6 and tuned(5) == 15 and looked_up == ["body"]
+
+
+def test_kernels_come_from_the_contract():
+    kernels = Acme().kernels()
+    assert set(kernels) == set(kpt.SPECS) and kpt.missing_kernels(kernels) == {}
+    assert kernels["linear"].forward.body is linear.linear_fwd
+    assert kernels["grouped_linear"].backward.body is moe.grouped_linear_bwd
+
+
+def test_torch_products_replace_the_triton_gemms(monkeypatch):
+    monkeypatch.setattr(Acme, "torch_products", True)
+    kernels = Acme().kernels()
+    assert kernels["linear"].forward.body is products.linear_fwd
+    assert kernels["linear"].backward.body is linear.linear_bwd
+    assert kernels["grouped_linear"].forward.body is products.grouped_linear_fwd
+    assert kernels["grouped_linear"].backward.body is products.grouped_linear_bwd
+    assert kernels["rms_norm"].forward.body.__module__ == "kpt_triton.rms_norm"
+
+
+def test_native_bodies_replace_portable_ones_on_the_device_only(monkeypatch):
+    native = types.ModuleType("acme_native")
+    native.softmax_fwd = lambda x, dim: (x,)
+    monkeypatch.setattr(Acme, "native_modules", lambda self: (native,))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert Acme().kernels()["softmax"].forward.body is native.softmax_fwd
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert Acme().kernels()["softmax"].forward.body.__module__ == "kpt_triton.softmax"
+
+
+def test_speed_bars():
+    be = Acme()
+    assert be.perf_bar("linear", "fwd").min_ceiling_fraction == 0.8
+    assert be.perf_bar("rms_norm", "fwd").min_ceiling_fraction == 0.6
+    assert be.perf_bar("rms_norm", "fwd+bwd").min_ceiling_fraction is None
+    assert be.perf_bar("attention", "fwd").min_speedup == 1.0
