@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint tests conformance example aot usage newest  # what CI runs
+    nox -s lint wheels conformance example aot usage newest docs  # what CI runs
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -78,7 +78,8 @@ def _install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's unit tests on the CPU (Triton kernels through the interpreter), with the
-    optional rich of kpt-core[cli] (its plain fallback is tested by hiding it)."""
+    optional rich of kpt-core[cli] (its plain fallback is tested by hiding it), on editable installs:
+    the quick loop while changing code. CI runs the same tests on the built wheels (`wheels`)."""
     # matplotlib: kpt-core's roofline test draws a recorded benchmark run
     _install(session, *PACKAGES[len(BASE):], extra=("numpy", "matplotlib", "rich"), editable=True)
     # one run per package: their test files share names (test_rms_norm.py in core and in kpt-triton);
@@ -184,7 +185,7 @@ AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"), "cu
 
 @nox.session
 def aot(session: nox.Session) -> None:
-    """Compile every kernel at the PERF.md shapes for every target, without a GPU: fails on a
+    """Compile every kernel at the docs/performance.md shapes for every target, without a GPU: fails on a
     compile error, shared memory / LDS over the limit, or a spill the tuning table does not
     accept. ``nox -s aot -- --all-cases`` adds every conformance case's specialization."""
     _install(session, "kpt-triton", "kpt-cuda", "kpt-rocm")
@@ -200,7 +201,7 @@ def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
     Python snippets (transformers installed for the one that patches a model); mypy over a user's
-    first script (tests/); then the `models` tests in the same environment."""
+    first script and over kpt-core itself (tests/); then the `models` tests in the same environment."""
     _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
@@ -230,6 +231,47 @@ def models(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "ruff")
     session.run("ruff", "check", ".")
+
+
+def _distributions() -> list[Path]:
+    """Every package under packages/ (a folder with a pyproject.toml): each is a published distribution."""
+    return sorted(p for p in Path("packages").iterdir() if (p / "pyproject.toml").is_file())
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Every distribution under packages/ as a user gets it: built (sdist, then the wheel from the
+    sdist), checked with ``twine check --strict``, the wheels installed (not the source tree, not
+    editable) into this fresh environment, then every package's unit tests and the reference
+    conformance run against them, so a file missing from a wheel (CUDA C sources, tuning tables,
+    Metal sources) fails here. Distributions land in .nox/wheels/tmp/dist/."""
+    session.install(*CONSTRAINTS, "build", "twine", "setuptools")
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    packages = _distributions()
+    for package in packages:
+        # --no-isolation: the pinned setuptools of this session, which must satisfy each package's floor
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(package), silent=True)
+    session.run("twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
+    # what the tests need besides the wheels, as in `tests`: numpy (Triton's interpreter), matplotlib
+    # (kpt-core's roofline test), rich (kpt-core[cli])
+    session.install(*CONSTRAINTS, "pytest", "numpy", "matplotlib", "rich", *map(str, sorted(dist.glob("*.whl"))))
+    session.run("python", "scripts/installed_from_wheels.py", *map(str, packages))
+    for package in packages:
+        session.run("pytest", "-q", "-p", "no:cacheprovider", f"{package}/tests", *session.posargs,
+                    env={"TRITON_INTERPRET": "1"})
+    # float32 only: the whole suite from the installed kpt-conformance, on the installed kpt-core (every
+    # dtype of the reference runs in `conformance(profile='reference')`, on the same wheels pip builds)
+    session.run("kpt", "check", "--backend", "reference", "--dtypes", "float32", "--report",
+                "reports/wheels-reference", "--xfails", "conformance/xfails")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (docs/, mkdocs.yml) built with warnings as errors into build/site;
+    its kernel reference is written from kpt.SPECS at build time."""
+    _install(session, extra=("mkdocs", "mkdocs-material", "mkdocstrings", "mkdocstrings-python"))
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(default=HAS_NVIDIA_GPU)

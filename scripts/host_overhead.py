@@ -3,7 +3,7 @@
     python3 scripts/host_overhead.py --backend cuda rms_norm softmax moe_gating ...
 
 For each kernel's perf case in bfloat16, forward and forward+backward, it prints three numbers:
-the `kpt.benchmark` time (device events, the PERF.md method), the host time of one call (wall
+the `kpt.benchmark` time (device events, the docs/performance.md method), the host time of one call (wall
 clock of back-to-back calls, nothing synchronized inside) and the device time of one call (the
 sum of its kernels' durations in the torch profiler). A benchmark time near the host time and far
 above the device time means the host, not the kernel, is the bottleneck.

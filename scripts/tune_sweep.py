@@ -1,4 +1,4 @@
-"""Sweep tuning parameters of kpt-triton launchers at the PERF.md shapes on the current GPU.
+"""Sweep tuning parameters of kpt-triton launchers at the docs/performance.md shapes on the current GPU.
 
     python3 scripts/tune_sweep.py rms_norm_bwd softmax_fwd ...
 

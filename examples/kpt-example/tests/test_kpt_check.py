@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+import kpt
+
 KPT = Path(sys.executable).with_name("kpt")  # the console script of this environment
 WRONG, MISSING = "rms_norm", "silu"
 
@@ -46,7 +48,8 @@ def test_exit_status_says_a_kernel_failed_or_is_missing(full_run) -> None:
 
 def test_report_identifies_the_run(full_run) -> None:
     _, report = full_run
-    assert report["schema_version"] == 1 and report["backend"] == "example" and report["device"] == "cpu"
+    assert report["schema_version"] == 2 and report["backend"] == "example" and report["device"] == "cpu"
+    assert report["versions"]["kpt"] == kpt.__version__ and report["timestamp"].endswith("+00:00")
     assert report["versions"]["backend"] == "0.1.0" and report["versions"]["torch"]
     assert isinstance(report["seed"], int)
 

@@ -20,6 +20,7 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.mark.interpreter
 def test_discovered_through_the_entry_point(interpreted):
     registry = kpt.reload_backends(strict=True)
     info = {i.name: i for i in registry.list()}["cuda"]
@@ -42,6 +43,7 @@ def test_every_contract_kernel_is_wired():
         assert k.forward.body.__module__.startswith(("kpt_triton.", "kpt_cuda."))
 
 
+@pytest.mark.interpreter
 def test_interpreter_mode(interpreted):
     be = kpt_cuda.CudaBackend()
     assert be.is_available() == (True, "")
@@ -115,6 +117,7 @@ def test_tuning_is_bound_at_the_first_call(monkeypatch):
     assert seen == [7, 7]
 
 
+@pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors in the interpreter: on a GPU machine the "
                     "kernels were compiled for the GPU when imported; the conformance suite checks gradients there")
 def test_calls_run_through_autograd(interpreted):

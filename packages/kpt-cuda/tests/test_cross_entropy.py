@@ -15,7 +15,7 @@ H100_SMEM = 232448
 
 
 @pytest.mark.parametrize("shape, dtype, split", [
-    ((8192, 128256), torch.bfloat16, (2, 14)),  # PERF.md: 16032 vectors, 16 per thread
+    ((8192, 128256), torch.bfloat16, (2, 14)),  # docs/performance.md: 16032 vectors, 16 per thread
     ((4, 151936), torch.float16, (5, 14)),
     ((4, 32000), torch.bfloat16, (0, 4)),
     ((4, 8), torch.bfloat16, (0, 1)),
@@ -52,6 +52,7 @@ def test_wired_only_where_cupy_runs(monkeypatch):
     assert kernels["cross_entropy"].forward.body.__module__ == "kpt_triton.cross_entropy"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA GPU: the CUDA C kernel runs nowhere else")
 @pytest.mark.parametrize("n, v, dtype, eps, reduction, ignored, scale", [
     (8, 128256, torch.bfloat16, 0.0, "mean", 0.1, 3.0),
@@ -85,6 +86,7 @@ def test_matches_float64(monkeypatch, n, v, dtype, eps, reduction, ignored, scal
     assert err <= tol * ref_dz.abs().max().clamp(min=1e-30) or err == 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA GPU: the CUDA C kernel runs nowhere else")
 def test_out_of_range_target_gives_nan(monkeypatch):
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)

@@ -70,7 +70,7 @@ def test_fixed_operators_by_width() -> None:
 
 
 def _perf_args(kernel: str) -> dict:
-    """The kernel's PERF.md case as meta tensors (a design needs shapes only)."""
+    """The kernel's docs/performance.md case as meta tensors (a design needs shapes only)."""
     if kernel == "grouped_linear":
         # its case draws the routing with bincount, which meta tensors cannot run: the same shapes
         return {"x_sorted": torch.empty(32768, 4096, device="meta"),

@@ -13,6 +13,8 @@ from kpt_fpga_sim.arith import FixedArith
 from kpt_fpga_sim.fixed import Fx
 from kpt_fpga_sim.formats import O_MODES, Q_MODES, ap_fixed
 
+pytestmark = pytest.mark.slow  # each test compiles C++ with g++ (10 to 30 s on one core)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def toolchain() -> None:

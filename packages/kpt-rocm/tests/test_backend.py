@@ -16,6 +16,7 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.mark.interpreter
 def test_discovered_through_the_entry_point(interpreted):
     info = {i.name: i for i in kpt.reload_backends(strict=True).list()}["rocm"]
     assert (info.vendor, info.device_type, info.priority, info.plugin) == ("AMD", "cuda", 100, "rocm")
@@ -39,6 +40,7 @@ def test_every_contract_kernel_is_wired_to_kpt_triton():
         assert kernels[name].forward.body.__module__ == "kpt_triton.products"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("arch", [None, "gfx90a", "gfx1201"])
 def test_interpreter_runs_the_tuning_of_kpt_rocm_arch(interpreted, monkeypatch, arch):
     if arch is not None:
@@ -50,6 +52,7 @@ def test_interpreter_runs_the_tuning_of_kpt_rocm_arch(interpreted, monkeypatch, 
     assert be.params("rms_norm_fwd") is tuning.TABLES[be.arch()]["rms_norm_fwd"]
 
 
+@pytest.mark.interpreter
 def test_unknown_interpreter_arch_is_refused(interpreted, monkeypatch):
     monkeypatch.setenv("KPT_ROCM_ARCH", "gfx908")
     with pytest.raises(ValueError, match="KPT_ROCM_ARCH='gfx908' has no tuning table"):
@@ -113,6 +116,7 @@ def test_scaled_mm_only_where_the_arch_has_ocp_float8():
     assert not any(t[name].get("native_cast") for t in tuning.TABLES.values() for name in t)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1100"])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_float8_gives_the_contract_format_on_every_arch(interpreted, monkeypatch, arch, fp8_dtype):

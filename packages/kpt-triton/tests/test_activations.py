@@ -7,6 +7,8 @@ from conftest import check_kernel
 from kpt.spec import randn, strided
 from kpt_triton import activations as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 # (kernel, extra arguments): every activation and approximation
 KERNELS = {
     "gelu": ("gelu", {"approximate": "none"}),

@@ -8,6 +8,8 @@ from conftest import check_kernel, device
 from kpt.spec import randn
 from kpt_triton import attention as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 # (B, Hq, Hkv, Sq, Skv, D, causal): odd lengths, Sq != Skv both ways, grouped-query, padded head dims
 SHAPES = {
     "odd": (1, 2, 2, 17, 17, 24, False),

@@ -10,6 +10,8 @@ from kpt.spec import randn, strided
 from kpt.testing import to_device
 from kpt_triton import cross_entropy as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 
 def _targets(g, n, v, ignored, ignore_index=-100):
     t = torch.randint(0, max(v, 1), (n,), generator=g)

@@ -7,6 +7,8 @@ from conftest import check_kernel, device
 from kpt.spec import randn, strided
 from kpt_triton import fp8 as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SHAPES = {"odd": (3, 17), "rows3d": (2, 5, 33), "single": (1, 1), "zero_rows": (0, 8), "zero_cols": (4, 0)}
 

@@ -12,6 +12,8 @@ from conftest import device
 from kpt.testing import poisoned
 from kpt_triton.launch import _specialize, cached_launch
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 
 @cached_launch
 @triton.jit
@@ -71,6 +73,7 @@ def test_keys_tell_apart_what_triton_specializes_on() -> None:
     assert _specialize((t, 3))[1] == [t.data_ptr(), 3]  # tensors go to the launcher as addresses
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(device().type != "cuda", reason="needs a GPU: the interpreter never caches")
 def test_repeat_calls_skip_triton_and_new_specializations_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4096, device="cuda")

@@ -8,6 +8,8 @@ from kpt.spec import identity, randn, strided
 from kpt.testing import to_device
 from kpt_triton import linear as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 # small tiles: several row and column tiles, K steps and ragged edges in every case
 TILES = {"tiles16": ({"block_m": 16, "block_n": 16, "block_k": 16, "group_m": 2}, {"block": (4, 16)}),

@@ -7,6 +7,8 @@ from conftest import check_kernel, device
 from kpt.spec import identity, randn, strided
 from kpt_triton import moe as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 
 def _route(g, tokens, experts, top_k, *, skewed=False):
     """int32 ``[tokens, top_k]``: distinct experts per token; skewed leaves the upper experts empty."""

@@ -7,6 +7,8 @@ from conftest import check_kernel
 from kpt.spec import randn, strided
 from kpt_triton import rms_norm as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 SHAPES = {"odd": (3, 17), "single": (1, 1), "rows3d": (2, 5, 33), "zero_rows": (0, 8), "zero_cols": (4, 0)}
 
 

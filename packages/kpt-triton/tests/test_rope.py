@@ -8,6 +8,8 @@ from kpt.spec import randn, strided
 from kpt.testing import to_device
 from kpt_triton import rope as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 # (B, Hq, Hk, S, D, per-sequence tables)
 SHAPES = {
     "gqa": (2, 4, 2, 9, 16, False),

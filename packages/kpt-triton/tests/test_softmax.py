@@ -7,6 +7,8 @@ from conftest import check_kernel
 from kpt.spec import randn, strided
 from kpt_triton import softmax as k
 
+pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
+
 CASES = {
     "odd": ((3, 17), 1),
     "single": ((1, 1), 1),

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+__version__ = "0.1.0"
+
 SUITE = Path(__file__).parent / "suite"
 """The test modules; their pytest ids (``test_numerics.py::test_forward[...]``) are what xfail files name."""
 

@@ -1,9 +1,10 @@
 """The conformance report: ``conformance.json`` (schema below) and ``conformance.md``, per run.
 
-``conformance.json``, schema version 1::
+``conformance.json``, schema version 2 (1 had no ``timestamp`` and no contract version)::
 
-    {"schema_version": 1, "backend": name, "profile": ..., "versions": {"kpt": ..., "backend": ...,
-     "torch": ..., "triton": ... or null, "python": ...}, "device": "cpu", "seed": int,
+    {"schema_version": 2, "backend": name, "profile": ..., "versions": {"kpt": ..., "contract": int,
+     "backend": ..., "torch": ..., "triton": ... or null, "python": ...}, "device": "cpu",
+     "machine": "x86_64", "timestamp": "2026-11-25T18:00:00+00:00", "seed": int,
      "environment": {...the backend's facts...},
      "kernels": {name: {"status": "pass" | "fail" | "missing" | "xfail", "worst_error_ratio": float,
                         "passed": int, "failed": int, "xfailed": int, "missing": ["backward"],
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
@@ -32,15 +32,9 @@ from typing import Any
 import torch
 
 import kpt
+from kpt.overview import provenance
 
-SCHEMA_VERSION = 1
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
+SCHEMA_VERSION = 2
 
 
 def _backend_version(backend: kpt.Backend | None) -> str | None:
@@ -49,7 +43,10 @@ def _backend_version(backend: kpt.Backend | None) -> str | None:
         return None
     top = type(backend).__module__.partition(".")[0]
     distributions = metadata.packages_distributions().get(top, [])
-    return _version(distributions[0]) if distributions else None
+    try:
+        return metadata.version(distributions[0]) if distributions else None
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _message(report) -> str:
@@ -94,11 +91,10 @@ class Report:
 
     def data(self) -> dict[str, Any]:
         env = self.backend.environment() if self.backend else {}
-        versions = {"kpt": kpt.__version__, "backend": _backend_version(self.backend), "torch": torch.__version__,
-                    "triton": _version("triton"), "python": platform.python_version()}
-        return {"schema_version": SCHEMA_VERSION, "backend": self.name, "profile": self.profile,
-                "versions": versions, "device": str(self.device), "machine": platform.machine(), "seed": self.seed,
-                "environment": env, "kernels": self.kernels(), "results": self.results}
+        run = provenance(self.device)
+        run["versions"]["backend"] = _backend_version(self.backend)
+        return {"schema_version": SCHEMA_VERSION, "backend": self.name, "profile": self.profile, **run,
+                "seed": self.seed, "environment": env, "kernels": self.kernels(), "results": self.results}
 
     def pytest_sessionfinish(self, session) -> None:
         if not self.results:

@@ -31,7 +31,8 @@ from .spec import FLOAT_DTYPES, KernelSpec, values_checked
 from .tolerance import Tolerance
 
 CONTRACT_VERSION = 1
-"""The version of KERNELS.md that this kpt-core implements; backends declare the one they target."""
+"""The version of the kernel contract (docs/contract.md; its changes in CHANGELOG.md) that this
+kpt-core implements; backends declare the one they target."""
 
 SPECIAL_VALUES: tuple[str, ...] = ("zero", "subnormal", "max", "inf", "nan")
 """The kinds of special values of a floating-point input: ±0, subnormals, ±max of the dtype, ±inf, NaN."""
@@ -45,7 +46,7 @@ class PerfBar:
     simulator's bar is below 1: at most 1/x times slower than the reference backend);
     ``min_ceiling_fraction``: at least this fraction of the bounding ceiling (copy bandwidth or
     matmul rate) measured in the same run. ``None`` means not promised. ``cases``: "perf" times
-    the PERF.md shape on the device, against these bars; "conformance" (simulators) times the
+    the docs/performance.md shape on the device, against these bars; "conformance" (simulators) times the
     conformance shapes on the CPU against the reference backend and reports it without gating:
     CPU timing swings too much between runs to hold a bar.
     """

@@ -1,6 +1,6 @@
-"""Measuring kernels side by side, the PERF.md way.
+"""Measuring kernels side by side, the docs/performance.md way.
 
-    python -m kpt.benchmark --backend cuda --out reports/bench                 # the PERF.md shapes
+    python -m kpt.benchmark --backend cuda --out reports/bench                 # the docs/performance.md shapes
     python -m kpt.benchmark --backend cuda --sweep models --out reports/models  # real models' shapes
     kpt bench --backend cuda --sweep attention --plot                          # the same, as a command
 
@@ -26,6 +26,7 @@ with its automatic dynamic shapes (what a user's compiled model gets); perf comp
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -40,6 +41,7 @@ import torch
 from .backend import Backend
 from .kernels import SPECS
 from .ops import as_tuple
+from .overview import provenance
 from .registry import get_backend
 from .spec import Case, KernelSpec
 from .spec import nbytes as nbytes_of
@@ -47,6 +49,11 @@ from .sweeps import MODES as MODES
 from .sweeps import SWEEPS, Point, sweep
 from .testing import compare, to_device
 from .tolerance import default_tolerance
+
+SCHEMA_VERSION = 1
+"""Of ``bench.json``: ``schema_version``, ``backend``, then what `kpt.overview.provenance` records
+(``versions``, ``device``, ``machine``, ``timestamp``), then the run's ``environment`` (the backend's
+facts), ``ceilings``, ``sweep`` and its results."""
 
 PEERS = ("eager", "compile", "library")
 """The columns a kernel is compared with; "library" is the fastest library present."""
@@ -516,7 +523,7 @@ def host_cost(backend: Backend, spec: KernelSpec, args: dict[str, Any], label: s
             if once > SMALL_CALL_S:
                 cost.errors[name] = f"not a small call ({once * 1e3:.1f} ms)"
                 continue
-            cost.us[name] = host_us(lambda call=call: call(**args))
+            cost.us[name] = host_us(functools.partial(call, **args))
         except Exception as exc:
             cost.errors[name] = _message(exc)
     return cost
@@ -716,7 +723,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None, help="backend name (default: kpt.get_backend())")
     parser.add_argument("--kernels", default=None, help="comma-separated kernel names (default: every kernel)")
     parser.add_argument("--sweep", default="perf", choices=[*SWEEPS, "all"],
-                        help="the shapes: perf (PERF.md's), models (real models' sizes), attention, linear, "
+                        help="the shapes: perf (docs/performance.md), models (real models' sizes), attention, linear, "
                              "or all but perf (default: perf)")
     parser.add_argument("--dtype", default="bfloat16", help="the dtype where a shape names none")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves compile time)")
@@ -770,7 +777,8 @@ def run(opts: argparse.Namespace) -> int:
     env = backend.environment()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"environment": env, "ceilings": asdict(ceilings), "sweep": opts.sweep, "shapes": len(points),
+    report = {"schema_version": SCHEMA_VERSION, "backend": backend.name, **provenance(device),
+              "environment": env, "ceilings": asdict(ceilings), "sweep": opts.sweep, "shapes": len(points),
               "timings": len(results), "wall_s": wall, "worst": worst(results),
               "host_baselines_us": base, "host_us": [asdict(c) for c in costs],
               "results": [asdict(r) for r in results]}

@@ -39,3 +39,4 @@ def kpt_backends() -> Sequence[Backend]:
     backend must be cheap and must not touch the device; device checks belong in
     `Backend.is_available`.
     """
+    raise NotImplementedError  # a specification: pluggy calls the plugins' implementations

@@ -20,7 +20,7 @@ import inspect
 import sys
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -135,7 +135,8 @@ def _register(namespace: str, spec: KernelSpec) -> Any:
 
     def run_backward(*args: Any) -> Any:
         args = tuple(a.clone() if i in copied else a for i, a in enumerate(args))
-        return _BODIES[namespace][spec.name].backward(*args)
+        # a differentiable kernel's bodies include a backward (`missing_kernels` names one that lacks it)
+        return cast(Callable[..., Any], _BODIES[namespace][spec.name].backward)(*args)
 
     bwd = torch.library.custom_op(
         f"{namespace}::{spec.name}_backward", _tuple_body(run_backward, n_grad),
@@ -193,7 +194,7 @@ def eager_functions(kernels: Mapping[str, Kernel]) -> dict[str, Callable[..., An
 
 
 def _function(spec: KernelSpec, kernel: Kernel) -> Callable[..., Any]:
-    setup, differentiate = _autograd(spec, kernel.backward, overwrites=True)
+    setup, differentiate = _autograd(spec, cast(Callable[..., Any], kernel.backward), overwrites=True)
 
     class Function(torch.autograd.Function):
         # ctx in forward rather than a separate setup_context: ``apply`` then skips an

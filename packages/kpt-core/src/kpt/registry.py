@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 import torch
@@ -100,7 +100,7 @@ class Registry:
             module = load()
             self._plugins.register(module, name=plugin)
             impls = [i for i in self._plugins.hook.kpt_backends.get_hookimpls() if i.plugin_name == plugin]
-            backends = [b for impl in impls for b in impl.function()]
+            backends = [b for impl in impls for b in cast(Iterable[Any], impl.function())]  # checked below
         except Exception as exc:  # a broken plugin must not take the registry down
             self._fail(plugin, plugin, "plugin failed to load", exc)
             return

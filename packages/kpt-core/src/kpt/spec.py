@@ -1,6 +1,6 @@
 """How a kernel of the contract is described: `KernelSpec`, its conformance `Case`s and `BadInput`s.
 
-Every kernel of ``KERNELS.md`` has exactly one `KernelSpec`, defined in the module of its family
+Every kernel of ``docs/contract.md`` has exactly one `KernelSpec`, defined in the module of its family
 under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
 
 * ``signature``: the public Python function (its signature and docstring are what users see
@@ -46,7 +46,7 @@ MakeInputs = Callable[[torch.Generator, torch.dtype], Args]
 class Case:
     """One conformance case: ``make(generator, dtype)`` draws fresh random CPU inputs.
 
-    ``perf`` marks the large shapes of PERF.md used by performance tests (never run for numerics
+    ``perf`` marks the large shapes of docs/performance.md used by performance tests (never run for numerics
     on a simulator). ``dtypes`` restricts the case to some activation dtypes. ``grad`` runs the
     backward check too (only for differentiable kernels).
     """
@@ -95,7 +95,7 @@ class KernelSpec:
 
     name: str
     signature: Callable[..., Any]
-    validate: Callable[[Args, Sequence[torch.dtype]], Args]
+    validate: Callable[[Args, tuple[torch.dtype, ...]], Args]
     forward: Callable[..., tuple[torch.Tensor, ...]]
     outputs: tuple[str, ...]
     flops: Callable[[Args], float]
@@ -161,13 +161,13 @@ class KernelSpec:
                 if not unused:
                     return bound
         try:  # a call the fast path does not take, or a wrong one: inspect names the problem
-            bound = self._signature.bind(*args, **kwargs)
+            call = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise KernelInputError(f"{self.name}: {exc}") from None
-        bound.apply_defaults()
-        return dict(bound.arguments)
+        call.apply_defaults()
+        return dict(call.arguments)
 
-    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtypes: Sequence[torch.dtype]) -> Args:
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtypes: tuple[torch.dtype, ...]) -> Args:
         """Bind a call and validate it: the arguments in the forward's order, normalized."""
         return self.validate(self.bind(args, kwargs), dtypes)
 

@@ -5,12 +5,12 @@ own input builders, so every input is what the contract expects) and the modes t
 `kpt.benchmark` draws the inputs on the device itself, so the sizes here are bounded by what eager
 PyTorch (the reference math in float32) needs on an 80 GB GPU, not by host memory.
 
-* ``perf``: each kernel's PERF.md shape (its ``perf`` cases).
+* ``perf``: each kernel's perf shape (its ``perf`` cases; docs/performance.md).
 * ``models``: the hidden sizes, MLP widths and vocabularies of Llama 3, Qwen2.5/3, Mistral, Gemma 2
   and a DeepSeek-style MoE (256 experts, top-8), at token counts from 1 to 64K, for every kernel
   whose shape those sizes set. Every model width is timed at 4096 tokens; the Llama 3 widths (the
   first two of each kind) at every count of `TOKENS`.
-* ``attention``: PERF.md's B4 H32 S4096 D128, causal and not, 1K and 16K long, grouped-query
+* ``attention``: the B4 H32 S4096 D128, causal and not, 1K and 16K long, grouped-query
   ratios 4 and 8, head dims 64/128 (forward and backward) and 256 (forward), bf16 and fp16,
   and KV-cache decode (1 and 8 queries against up to 32K keys, 32 query heads, 8 KV heads).
 * ``linear``: ``linear`` with each activation at the Llama 3 8B MLP (8192×14336×4096 and token
@@ -243,7 +243,7 @@ def linear_sweep() -> list[Point]:
 
 
 def perf_sweep() -> list[Point]:
-    """Each kernel's PERF.md shape (its ``perf`` cases)."""
+    """Each kernel's perf shape (its ``perf`` cases; docs/performance.md)."""
     return [Point(name, case, MODES if spec.differentiable else FWD)
             for name, spec in SPECS.items() for case in spec.cases() if case.perf]
 

@@ -37,13 +37,13 @@ def poisoned() -> Iterator[None]:
 
     was_det, was_warn, was_fill = (torch.are_deterministic_algorithms_enabled(),
                                    torch.is_deterministic_algorithms_warn_only_enabled(),
-                                   det.fill_uninitialized_memory)
+                                   det.fill_uninitialized_memory)  # type: ignore[attr-defined]  # not in torch's stubs
     torch.use_deterministic_algorithms(True, warn_only=True)
-    det.fill_uninitialized_memory = True
+    det.fill_uninitialized_memory = True  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        det.fill_uninitialized_memory = was_fill
+        det.fill_uninitialized_memory = was_fill  # type: ignore[attr-defined]
         torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
 
 
@@ -240,8 +240,8 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
     expected = torch.autograd.grad([o for o, _ in ref_pairs], [oracle[n] for n in grad_names],
                                    [g for _, g in ref_pairs], allow_unused=True)
     report.problems += modified(leaves, before)
-    expected = [torch.zeros(leaves[n].shape, dtype=torch.float64, device=leaves[n].device) if e is None else e
-                for n, e in zip(grad_names, expected)]
+    expected = tuple(torch.zeros(leaves[n].shape, dtype=torch.float64, device=leaves[n].device) if e is None else e
+                     for n, e in zip(grad_names, expected))
     response = loss_response({n: oracle[n] for n in grad_names}, dict(zip(grad_names, expected)))
     eagers = _eager_grads(spec, args, grad_names, grads) if eager_factor else expected
     for name, g, e, eager in zip(grad_names, got, expected, eagers):

@@ -72,5 +72,5 @@ def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, 
 
 attention_bwd = portable.attention_bwd
 """The backward stays the portable kernel, on the forward's ``(o, lse)``: the fused kernels' own
-backward (cuDNN's is about 4.6x faster at the PERF.md shape) is not wired yet, since its one run
+backward (cuDNN's is about 4.6x faster at the docs/performance.md shape) is not wired yet, since its one run
 through the ATen operators failed on their sequence-offset arguments."""

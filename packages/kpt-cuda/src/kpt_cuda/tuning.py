@@ -24,7 +24,7 @@ _ROW_SM90 = {"tile_elems": 4096, "elems_per_warp": 512}
 _ROW_BWD_SM90 = {**_ROW_SM90, "programs_per_sm": 4}
 _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 
-# measured on an H100 80GB HBM3 (scripts/tune_sweep.py, bf16 PERF.md shapes, 2026-11-21):
+# measured on an H100 80GB HBM3 (scripts/tune_sweep.py, bf16 docs/performance.md shapes, 2026-11-21):
 # rms_norm_bwd 0.230 -> 0.172 ms, softmax_fwd 0.221 -> 0.184 ms, rope_fwd 0.241 -> 0.231 ms,
 # cross_entropy_fwd 0.740 -> 0.712 ms against the portable defaults; second sweep (same day):
 # cross_entropy_fwd with the gradient 2.31 -> 1.88 ms, layer_norm_fwd 0.101 -> 0.097 ms,

@@ -27,6 +27,8 @@ from .formats import E4M3FN, E5M2, FLOAT32, ApFixed, Minifloat, ap_fixed, parse_
 from .hls import Report, format_table
 from .network import LayerReport, NetworkReport, estimate_model
 
+__version__ = "0.1.0"
+
 __all__ = [
     "DEVICES", "E4M3FN", "E5M2", "FLOAT32", "ApFixed", "DesignBar", "Device", "Directives",
     "FpgaSimBackend", "LayerReport", "Minifloat", "NetworkReport", "OpCost", "Report", "SimConfig", "ap_fixed",

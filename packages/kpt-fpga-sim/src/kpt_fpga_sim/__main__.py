@@ -5,7 +5,7 @@
     python -m kpt_fpga_sim compare attention --dataflow on,off --format "ap_fixed<16,6>" --json
 
 Every combination of the listed directive values is one variant; each is estimated on the
-shapes of a conformance case of the kernel (``--case``, default ``perf``: the PERF.md shape) or,
+shapes of a conformance case of the kernel (``--case``, default ``perf``: the docs/performance.md shape) or,
 for ``linear``/``fp8_linear``, on ``--shape M,N,K``, and printed as one row of a table.
 
     python -m kpt_fpga_sim estimate model.pt --input-shape 1,16 --reuse 2 --io stream --device xcvu9p

@@ -40,7 +40,7 @@ MATMUL_KERNELS = ("linear", "grouped_linear", "fp8_linear")
 
 @dataclass(frozen=True)
 class DesignBar:
-    """What the default design of a kernel promises on a large enough shape (its PERF.md shape):
+    """What the default design of a kernel promises on a large enough shape (its docs/performance.md shape):
     the initiation interval of its main loop and the fraction of the device's compute roof."""
 
     ii: int = 1

@@ -2,7 +2,7 @@
 
     python -m kpt_triton.aot --backend rocm --arch gfx942
 
-For each kernel of the contract and each conformance case (every dtype) and PERF.md shape
+For each kernel of the contract and each conformance case (every dtype) and docs/performance.md shape
 (bfloat16), the backend's bodies run with the tuning table of ``--arch`` on fake tensors (shapes,
 no data) while every Triton launch is recorded instead of run. Each distinct specialization
 (kernel, argument types and alignments, constexprs, compiler options) is then compiled for the
@@ -125,7 +125,7 @@ def _inputs(mode: FakeTensorMode, case: kpt.Case, dtype: torch.dtype) -> dict[st
 
 def record_launches(backend: TritonBackend, target: Target, perf_only: bool = False) -> list[Launch]:
     """Every launch of every kernel, forward and backward, over the conformance cases (all
-    dtypes; not with ``perf_only``) and the PERF.md shapes (bfloat16), with ``backend``'s tuning."""
+    dtypes; not with ``perf_only``) and the docs/performance.md shapes (bfloat16), with ``backend``'s tuning."""
     kernels = backend.kernels()
     functions = kpt.ops.eager_functions(kernels)
     mode = FakeTensorMode()
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", required=True, help="an arch tag of its tuning tables (gfx942, sm90, ...)")
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes")
     parser.add_argument("--perf-shapes", action="store_true",
-                        help="only the PERF.md shapes (bfloat16), not every conformance case")
+                        help="only the docs/performance.md shapes (bfloat16), not every conformance case")
     args = parser.parse_args(argv)
     return 1 if check(args.backend, args.arch, args.jobs, args.perf_shapes) else 0
 

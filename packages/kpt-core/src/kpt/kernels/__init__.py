@@ -1,6 +1,7 @@
 """The kernel contract: one `KernelSpec` per kernel, one module per kernel family.
 
-``SPECS`` maps every kernel name of the contract to its spec, in the order of KERNELS.md.
+``SPECS`` maps every kernel name of the contract to its spec, in the contract's order (that of
+the kernel reference, docs/reference/kernels.md).
 
 Special values
 --------------

@@ -197,7 +197,7 @@ def _per_element(n: float, arg: str) -> Callable[[Args], float]:
 
 
 MLP_SHAPE = (16384, 11008)
-"""The intermediate activation of a 7B-class gated MLP (PERF.md's swiglu/geglu shape)."""
+"""The intermediate activation of a 7B-class gated MLP (docs/performance.md's swiglu/geglu shape)."""
 
 
 def _make_x(**extra: object) -> Callable[..., Args]:
