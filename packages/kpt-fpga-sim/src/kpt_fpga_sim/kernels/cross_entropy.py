@@ -44,10 +44,15 @@ def _row_terms(a, z, target, ignore_index, smoothing):
         return lse, lse
     m = z.amax(-1)
     lse = a.cast(m + a.log(a.exp(z - m[:, None]).sum(-1)), "lse", a.wide)
+    if isinstance(m, torch.Tensor):
+        # floating point: a +inf logit makes the shifted sum NaN (inf − inf); the log-sum-exp is
+        # then +inf, as in the reference (fixed-point formats have no infinities)
+        lse = torch.where(m == math.inf, m, lse)
     picked = z.gather(1, _targets(target, v))[:, 0]
     loss = lse - picked
     if smoothing:
-        loss = lse - a.const(1.0 - smoothing) * picked - a.const(smoothing / v) * z.sum(-1)
+        # ε·(z[t] − Σz / V) as its own term: a row with one class (or equal logits) loses exactly 0
+        loss = loss + (a.const(smoothing) * picked - a.const(smoothing / v) * z.sum(-1))
     return lse, a.where(kept, loss, a.const(0.0))
 
 

@@ -1,6 +1,7 @@
 // Float8 in software: Apple GPUs have no float8 formats, so the kernels encode and decode the
 // bits themselves (common.metal: fp8_encode, fp8_decode; round to nearest even, saturating).
-//   scale = amax / fp8_max (1 where that is not > 0),  xq = saturate(x / scale),  y = xq · scale
+//   scale = amax / fp8_max (1 where that is not > 0; NaN for a row holding a NaN),
+//   xq = saturate(x / scale),  y = xq · scale
 
 // one threadgroup per row of [rows, D] (per tensor: one row of every element).
 // ip: D, code of x, fp8 max
@@ -11,11 +12,17 @@ kernel void fp8_scale(device const uchar* x [[buffer(0)]], device float* scale [
   threadgroup float partial[32];
   long d = ip[0], base = long(row) * d;
   int xc = int(ip[1]);
-  float amax = 0.0f;
-  for (long c = lid; c < d; c += nt) amax = max(amax, fabs(load(x, base + c, xc)));
+  float amax = 0.0f, nan_seen = 0.0f;  // max drops a NaN: it is counted on its own
+  for (long c = lid; c < d; c += nt) {
+    float v = fabs(load(x, base + c, xc));
+    amax = max(amax, v);
+    if (isnan(v)) nan_seen = 1.0f;
+  }
   amax = group_max(amax, partial, lid, nt);
+  nan_seen = group_max(nan_seen, partial, lid, nt);
   float s = amax / float(ip[2]);
-  if (lid == 0) scale[row] = s > 0.0f ? s : 1.0f;
+  // a row (or tensor) holding a NaN has a NaN scale, as torch.amax gives
+  if (lid == 0) scale[row] = nan_seen > 0.0f ? as_type<float>(0x7fc00000u) : (s > 0.0f ? s : 1.0f);
 }
 
 // xq = saturate(x / scale[e / width]) (width: the row length, or every element for one scale).
@@ -26,7 +33,10 @@ kernel void fp8_quantize(device const uchar* x [[buffer(0)]], device const float
   long n = ip[0], width = ip[1];
   int xc = int(ip[2]), qc = int(ip[3]);
   float limit = float(ip[4]);
-  for (long e = i; e < n; e += threads) store(xq, e, qc, clamp(load(x, e, xc) / scale[e / width], -limit, limit));
+  for (long e = i; e < n; e += threads) {
+    float q = load(x, e, xc) / scale[e / width];
+    store(xq, e, qc, isnan(q) ? q : clamp(q, -limit, limit));  // NaN passes on (a NaN scale's row)
+  }
 }
 
 // y = xq · scale[e / width] (a scale of 1 and width n: the float8 values in float32).
