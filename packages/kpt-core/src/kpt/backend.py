@@ -96,6 +96,12 @@ class Backend(KernelMethods):
         without them (a fixed-point design) takes none; a documented limitation leaves one out."""
         return SPECIAL_VALUES
 
+    def fuzzed_gradients(self, kernel: str) -> bool:
+        """Whether the conformance suite's fuzzing checks the gradients of fuzzed calls of ``kernel``
+        (their forward results are always checked). A backend whose gradient tolerances hold for
+        the contract's own cases only says False, and why, in its override."""
+        return True
+
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         """A tolerance other than the default table's, with its reason; None keeps the default."""
         return None

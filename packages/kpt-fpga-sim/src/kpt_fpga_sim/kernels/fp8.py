@@ -40,7 +40,11 @@ def quantize_fp8_fwd(x, granularity, fp8_dtype):
         amax = mag.amax() if x.numel() else mag.new_zeros(())
     scale = amax / a.const(fmt.max)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # a NaN amax stays NaN (the contract)
-    xq = fmt.quantize(xv * a.recip(scale)).to(fp8_dtype).contiguous()
+    # below 2^-128 (a row of subnormals) 1/scale overflows float32: such a scale and x are first
+    # shifted up by 2^64, an exact power of two
+    shifted = scale < 2.0**-64
+    q = torch.where(shifted, xv * a.recip(scale * 2.0**64) * 2.0**64, xv * a.recip(scale))
+    xq = fmt.quantize(q).to(fp8_dtype).contiguous()
     return xq, a.out(scale, torch.float32)
 
 

@@ -38,7 +38,8 @@ def moe_gating_bwd(logits, k, renormalize, weights, indices, dweights, dindices)
     idx = indices.long()
     dw = a.load(dweights, "dweights")
     if renormalize:
-        dsel = weights * (dw - (dw * weights).sum(-1, keepdim=True))
+        # w·(dw·Σw − Σ dw·w): Σw is 1 up to rounding, and with one slot the difference is exactly 0
+        dsel = weights * (dw * weights.sum(-1, keepdim=True) - (dw * weights).sum(-1, keepdim=True))
         dlogits = torch.zeros(logits.shape).scatter_add(1, idx, dsel)
     else:
         lg = a.load(logits, "logits")

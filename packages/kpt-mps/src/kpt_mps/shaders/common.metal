@@ -115,7 +115,7 @@ inline float tanh_stable(float u) {
 }
 
 inline float act(float x, int kind) {
-  if (kind == ACT_RELU) return x > 0.0f ? x : 0.0f;
+  if (kind == ACT_RELU) return x < 0.0f ? 0.0f : x;  // NaN passes on
   if (kind == ACT_GELU) return 0.5f * x * erfc_approx(-x * 0.70710678118654752f);
   if (kind == ACT_GELU_TANH) return 0.5f * x * (1.0f + tanh_stable(0.7978845608028654f * (x + 0.044715f * x * x * x)));
   if (kind == ACT_SILU) return x * sigmoid(x);

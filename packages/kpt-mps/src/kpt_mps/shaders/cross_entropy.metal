@@ -20,7 +20,8 @@ kernel void cross_entropy_fwd(device const uchar* z [[buffer(0)]], device const 
   total = group_sum(total, partial, lid, nt);
   float s = 0.0f;
   for (long c = lid; c < v; c += nt) s += precise::exp(load(z, base + c, zc) - m);
-  float lse = m + precise::log(group_sum(s, partial, lid, nt));
+  s = group_sum(s, partial, lid, nt);
+  float lse = m == INFINITY ? m : m + precise::log(s);  // a +inf logit: s is NaN (inf − inf), lse +inf
   if (lid == 0) {
     float zt = in_range ? load(z, base + t, zc) : 0.0f;
     float loss = (1.0f - eps) * (lse - zt);
