@@ -130,8 +130,9 @@ def _make(g: torch.Generator, dtype: torch.dtype, *, x: tuple[int, ...], n: int,
 
 
 def _cases() -> list[Case]:
-    def case(name: str, perf: bool = False, dtypes: tuple[torch.dtype, ...] | None = None, **kw: Any) -> Case:
-        return Case(name, lambda g, dtype: _make(g, dtype, **kw), perf=perf, dtypes=dtypes)
+    def case(name: str, perf: bool = False, dtypes: tuple[torch.dtype, ...] | None = None,
+             eager_factor: float = 0.0, **kw: Any) -> Case:
+        return Case(name, lambda g, dtype: _make(g, dtype, **kw), perf=perf, dtypes=dtypes, eager_factor=eager_factor)
 
     return [
         case("llm", x=(4, 128, 512), n=512),
@@ -140,8 +141,10 @@ def _cases() -> list[Case]:
         case("fp32_bias", x=(64, 256), n=320, bias=torch.float32, activation="gelu_tanh",
              dtypes=(torch.float16, torch.bfloat16)),
         *(case(act, x=(2, 32, 256), n=320, bias=True, activation=act) for act in ACTIVATIONS if act),
-        # no activation: a lone output next to a zero of act' has no accuracy to compare in 16 bits
-        case("single", x=(1, 1), n=1, bias=True),
+        # no activation: a lone output next to a zero of act' has no accuracy to compare in 16 bits;
+        # x·w + b may cancel, where a product rounded before the bias is added errs beyond the table
+        # (fpga-sim in float32: relative error 2.6e-5 at seed 541533850): ill-conditioned
+        case("single", x=(1, 1), n=1, bias=True, eager_factor=2.0),
         case("vector_x", x=(100,), n=17, activation="silu"),
         case("odd", x=(17, 3), n=33, bias=True, activation="silu"),
         case("long_k", x=(3, 1000), n=17, bias=True, activation="silu"),
