@@ -71,8 +71,10 @@ def _encode(x, inv_scale, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.c
     conversion (NVIDIA before sm89 lacks e4m3), and the interpreter's does not carry a rounding
     into the exponent.
     """
-    nan = tl.PropagateNan.ALL  # a NaN stays NaN (a GPU's minimum and maximum would drop it)
-    v = tl.minimum(tl.maximum(x * inv_scale, -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan)
+    # a NaN stays NaN (a GPU's minimum and maximum would drop it); the enum is written at each call,
+    # since a local variable of a compiled kernel must be a tensor
+    v = tl.minimum(tl.maximum(x * inv_scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
     if NATIVE:
         fp8 = tl.float8e4nv if MBITS == 3 else tl.float8e5
         return v.to(fp8).to(tl.uint8, bitcast=True)
