@@ -32,6 +32,7 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -211,7 +212,9 @@ def _ptxas(ptx: str, target: Target) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src, tempfile.TemporaryDirectory() as out:
         src.write(ptx)
         src.flush()
-        log = subprocess.run([triton.knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}",
+        # the ptxas Triton itself uses for this arch (Triton 3.9 compiles sm90 with its newer one)
+        ptxas = get_ptxas(arch).path
+        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}",
                               src.name, "-o", f"{out}/k.cubin"], capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
