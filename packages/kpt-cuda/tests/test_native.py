@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kpt
-from kpt_cuda import attention, linear
+from kpt_cuda import attention, linear, moe
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
@@ -26,9 +26,9 @@ def test_unfused_linear_matches_the_reference(activation, bias):
     assert pre.numel() == (0 if activation is None else y.numel())
 
 
-def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1):
+def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False):
     return attention._library(torch.empty(1, 8, sq, d, dtype=dtype), torch.empty(1, 2, skv, d, dtype=dtype), causal,
-                              scale)
+                              scale, backward)
 
 
 def test_attention_library_choice():
@@ -41,4 +41,28 @@ def test_attention_library_choice():
     assert _lib(64, 64, True, d=36) is None  # head dim not a multiple of 8
     assert _lib(64, 64, True, dtype=torch.float32) is None
     assert _lib(64, 64, True, scale=0.0) is None
+    assert _lib(64, 64, True, d=256) == "cudnn"
+    assert _lib(64, 64, True, d=256, backward=True) == "flash"  # cuDNN's backward stops at 128
+    assert _lib(64, 64, True, d=128, backward=True) == "cudnn"
     assert attention.available() is (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9)
+
+
+def test_grouped_linear_in_the_library_matches_the_reference():
+    """bfloat16 with K, N multiples of 8 goes to ``torch._grouped_mm`` (on the CPU here); other
+    operands go to the portable Triton kernel."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 16, generator=g).bfloat16()
+    w = (torch.randn(3, 24, 16, generator=g) / 4).bfloat16()
+    offsets = torch.tensor([2, 9, 9, 17], dtype=torch.int32)  # an empty expert; rows 0, 1, 17.. in none
+    assert moe.products.grouped_in_library(x, w)
+    assert not moe.products.grouped_in_library(x.float(), w.float())
+    assert not moe.products.grouped_in_library(x[:, :12], w[:, :, :12])
+    (y,) = moe.grouped_linear_fwd(x, offsets, w)
+    expected = kpt.get_backend("reference").grouped_linear(x.double(), offsets, w.double())
+    torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
+    dy = torch.randn(20, 24, generator=g).bfloat16()
+    dx, dw = moe.grouped_linear_bwd(x, offsets, w, y, dy)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    kpt.get_backend("reference").grouped_linear(xd, offsets, wd).backward(dy.double())
+    torch.testing.assert_close(dx.double(), xd.grad, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(dw.double(), wd.grad, rtol=2e-2, atol=5e-2)

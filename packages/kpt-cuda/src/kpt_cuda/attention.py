@@ -1,16 +1,19 @@
 """Vendor-native attention on Hopper: NVIDIA's fused kernels (cuDNN, FlashAttention-2) through PyTorch.
 
 On an H100 the portable Triton kernel (``kpt_triton.attention``) reaches about half of cuDNN's
-forward rate (B4 H32 S4096 D128 bf16: 276 against 558 TFLOP/s causal; ``benchmarks/``). Until kpt
-has a Hopper kernel of its own (wgmma, TMA, warp specialization), kpt-cuda's forward calls the
-fastest kernels PyTorch ships, through the ATen operators that ``F.scaled_dot_product_attention``
-dispatches to, and keeps kpt's contract:
+forward rate and a fifth of its backward's (B4 H32 S4096 D128 bf16 causal: 276 against 558
+TFLOP/s, 13.9 against 3.0 ms; ``benchmarks/``). Until kpt has a Hopper kernel of its own (wgmma,
+TMA, warp specialization), kpt-cuda calls the fastest kernels PyTorch ships, forward and backward,
+through the ATen operators that ``F.scaled_dot_product_attention`` dispatches to, and keeps kpt's
+contract:
 
 * ``Sq == Skv``: cuDNN. Its causal mask is aligned top-left, which equals kpt's bottom-right
   alignment only when the query and key lengths agree.
 * other lengths (a KV cache: decode, chunked prefill): FlashAttention-2, whose causal mask is
   aligned bottom-right like kpt's, and which splits a long KV length for a short query.
 * A causal call with one query is the non-causal one: that query sees every key.
+* The backward of a cuDNN forward with a head dimension over `CUDNN_MAX_BACKWARD_HEAD_DIM` is
+  FlashAttention-2's (both read the same ``(o, lse)``).
 
 Both return the softmax statistics kpt's backward contract wants (``lse``, natural log, float32).
 Everything else runs the portable kernels: float32, head dimensions that are not a multiple of 8,
@@ -30,6 +33,7 @@ from . import device
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+CUDNN_MAX_BACKWARD_HEAD_DIM = 128
 
 _aten = torch.ops.aten
 
@@ -41,14 +45,16 @@ def available() -> bool:
             and hasattr(_aten, "_scaled_dot_product_flash_attention"))
 
 
-def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> str | None:
+def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backward: bool = False) -> str | None:
     """"cudnn", "flash", or None where the portable kernel runs the call."""
     sq, d = q.shape[2], q.shape[3]
     skv = k.shape[2]
     if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
             or (causal and sq > skv) or scale == 0.0):
         return None
-    return "cudnn" if sq == skv else "flash"
+    if sq == skv and not (backward and d > CUDNN_MAX_BACKWARD_HEAD_DIM):
+        return "cudnn"
+    return "flash"
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +76,23 @@ def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, 
     return o.contiguous(), lse.reshape(q.shape[:3]).contiguous()
 
 
-attention_bwd = portable.attention_bwd
-"""The backward stays the portable kernel, on the forward's ``(o, lse)``: the fused kernels' own
-backward (cuDNN's is about 4.6x faster at the docs/performance.md shape) is not wired yet, since its one run
-through the ATen operators failed on their sequence-offset arguments."""
+def attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` like the portable `kpt_triton.attention.attention_bwd`, from the forward's
+    ``(o, lse)``. No dropout, no sequence offsets: the random-state arguments are placeholders the
+    fused kernels do not read, the offsets undefined (an empty tensor would mean a varlen batch)."""
+    library = _library(q, k, causal, scale, backward=True)
+    if library is None or do is None:
+        return portable.attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning)
+    sq, skv = q.shape[2], k.shape[2]
+    causal = causal and sq > 1
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    o, do, lse = o.contiguous(), do.contiguous(), lse.contiguous()
+    unused = torch.empty((), dtype=torch.int64, device=q.device)
+    if library == "cudnn":
+        grads = _aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, o, lse.unsqueeze(-1), unused, unused, None, None, None, sq, skv, 0.0, causal, scale=scale)
+    else:
+        grads = _aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, None, None, sq, skv, 0.0, causal, unused, unused, scale=scale)
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]

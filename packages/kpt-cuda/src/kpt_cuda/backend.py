@@ -12,11 +12,11 @@ import types
 
 from kpt_triton.backend import TritonBackend
 
-from . import attention, cross_entropy, device, linear, tuning
+from . import attention, cross_entropy, device, linear, moe, tuning
 
-NATIVE_MODULES = (attention, cross_entropy, linear)
+NATIVE_MODULES = (attention, cross_entropy, linear, moe)
 """Vendor-native bodies that replace the portable ones of the same kernel on a GPU where their
-`available` says they run (cross-entropy: CuPy; attention: Hopper); elsewhere the Triton bodies run."""
+`available` says they run (cross-entropy: CuPy; attention and grouped_linear: Hopper); elsewhere the Triton bodies run."""
 
 
 class CudaBackend(TritonBackend):

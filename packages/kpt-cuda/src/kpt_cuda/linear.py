@@ -6,8 +6,7 @@ cuBLAS followed by the activation; ``benchmarks/``), so the pass over memory it 
 less than the product it loses. cuBLASLt's GELU and ReLU epilogues (``torch._addmm_activation``)
 would save that pass, but return only ``act(pre)``, and the backward needs ``pre``.
 
-Only ``linear`` comes from the torch products here: kpt-cuda keeps kpt-triton's grouped GEMM, which
-never reads the offsets back to the host (CUDA graphs capture it).
+Only ``linear`` comes from the torch products here; grouped_linear is `kpt_cuda.moe`'s.
 """
 
 from __future__ import annotations

@@ -62,6 +62,12 @@ def _library_grouped(a: torch.Tensor, *dims: int) -> bool:
     return a.dtype == torch.bfloat16 and all(d > 0 and d % 8 == 0 for d in dims)
 
 
+def grouped_in_library(x_sorted: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `grouped_linear_fwd` and `grouped_linear_bwd` run these operands as single
+    ``torch._grouped_mm`` calls (no host synchronization), not as a loop over the experts."""
+    return _library_grouped(x_sorted, *weight.shape[1:])
+
+
 def _grouped(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """``c[rows of e] = a[rows of e] · b[e]`` for ``b`` [E, K, N] (a dense tensor or the transpose of
     one), on the rows of experts only (the others are left to the caller: `_outside_zeroed`)."""
