@@ -33,7 +33,8 @@ def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False
 
 def test_attention_library_choice():
     assert _lib(64, 64, True) == "cudnn"  # equal lengths: cuDNN's top-left mask is kpt's
-    assert _lib(1, 4096, True) == "flash"  # a KV cache: FlashAttention's bottom-right mask
+    assert _lib(1, 4096, True) == "cudnn"  # one query sees every key: no mask to align
+    assert _lib(8, 4096, True) == "flash"  # a KV cache: FlashAttention's bottom-right mask
     assert _lib(8, 4096, False) == "flash"
     assert _lib(100, 10, True) is None  # queries that see no key: the portable kernel's zeros
     assert _lib(100, 10, False) == "flash"

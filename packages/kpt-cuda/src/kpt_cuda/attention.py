@@ -9,9 +9,10 @@ contract:
 
 * ``Sq == Skv``: cuDNN. Its causal mask is aligned top-left, which equals kpt's bottom-right
   alignment only when the query and key lengths agree.
-* other lengths (a KV cache: decode, chunked prefill): FlashAttention-2, whose causal mask is
-  aligned bottom-right like kpt's, and which splits a long KV length for a short query.
-* A causal call with one query is the non-causal one: that query sees every key.
+* One query (decode): cuDNN, non-causal, since that query sees every key (faster than
+  FlashAttention-2 against a long cache: 64 against 73 µs at B1 H32/8 Skv32768 on an H100).
+* other lengths (a KV cache: speculative decode, chunked prefill): FlashAttention-2, whose causal
+  mask is aligned bottom-right like kpt's, and which splits a long KV length for a short query.
 * The backward of a cuDNN forward with a head dimension over `CUDNN_MAX_BACKWARD_HEAD_DIM` is
   FlashAttention-2's (both read the same ``(o, lse)``).
 
@@ -52,7 +53,7 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
     if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
             or (causal and sq > skv) or scale == 0.0):
         return None
-    if sq == skv and not (backward and d > CUDNN_MAX_BACKWARD_HEAD_DIM):
+    if (sq == skv or sq == 1) and not (backward and d > CUDNN_MAX_BACKWARD_HEAD_DIM):
         return "cudnn"
     return "flash"
 

@@ -12,21 +12,27 @@ over the experts' row ranges, with no host synchronization; otherwise (the libra
 takes bfloat16 only) a loop of ``torch.mm`` over the experts, which reads the E + 1 bounds to the host
 once per call (not capturable in a CUDA graph).
 
-Backward: linear's is kpt-triton's own (library GEMMs and the Triton activation backward);
+Backward: linear's ``dpre = dy ⊙ act'(pre)`` is torch's pointwise backward (one launch; relu's is a
+product with ``pre > 0``, so a NaN in ``dy`` stays NaN as in the reference), then library GEMMs.
 grouped_linear's ``dx = dy · weight[e]`` and ``dweight[e] = dy[rows of e]ᵀ · x[rows of e]`` take the
-same path as its forward, ``dy`` and ``x`` zeroed on the rows of no expert first (so that a NaN
-there reaches no expert's gradient).
+same path as its forward. The library's grouped GEMM counts rows from 0 and leaves those past the last
+expert unwritten: the rows before the first expert and past the last are set to 0 afterwards by a
+Triton pass that writes only them (`_zero_outside_kernel`: nothing to write in the usual case), and
+the weight gradient groups the rows before the first expert as an extra group it drops, so a NaN
+there reaches no expert's gradient.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kpt.kernels.moe import expert_bounds
 from kpt.spec import rows
 
-from .linear import linear_bwd  # noqa: F401  (the body of this module's linear: kernels_from takes both)
+from .tiling import cdiv
 
 ACTIVATIONS = {
     "relu": torch.relu,
@@ -36,6 +42,15 @@ ACTIVATIONS = {
 }
 """torch's pointwise kernels: as fast as kpt-triton's activation kernel on a large ``pre`` on an
 H100, and cheaper to launch on a small one (M = 1: 0.058 against 0.158 ms with gelu_tanh)."""
+
+
+ACTIVATION_GRADS = {
+    "relu": lambda dy, pre: dy * (pre > 0),
+    "gelu": lambda dy, pre: torch.ops.aten.gelu_backward(dy, pre),
+    "gelu_tanh": lambda dy, pre: torch.ops.aten.gelu_backward(dy, pre, approximate="tanh"),
+    "silu": torch.ops.aten.silu_backward,
+}
+"""``dy ⊙ act'(pre)`` by torch's pointwise kernels (float32 math for 16-bit tensors)."""
 
 
 def linear_fwd(
@@ -50,10 +65,47 @@ def linear_fwd(
     return ACTIVATIONS[activation](pre), pre
 
 
-def _outside_zeroed(t: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """``t`` with the rows before ``bounds[0]`` and from ``bounds[-1]`` on set to 0."""
-    r = torch.arange(t.shape[0], device=t.device)[:, None]
-    return torch.where((r >= bounds[0]) & (r < bounds[-1]), t, 0)
+def linear_bwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+    y: torch.Tensor, pre: torch.Tensor, dy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(dx, dweight, dbias)`` as `kpt_triton.linear.linear_bwd` does."""
+    N, K = weight.shape
+    if dy is None:
+        return (torch.zeros(x.shape, dtype=x.dtype, device=x.device),
+                torch.zeros((N, K), dtype=weight.dtype, device=weight.device),
+                x.new_empty(0) if bias is None else torch.zeros(N, dtype=bias.dtype, device=bias.device))
+    x2, dpre = rows(x), rows(dy)
+    if activation is not None:
+        dpre = ACTIVATION_GRADS[activation](dpre, rows(pre))
+    dx = torch.mm(dpre, weight).reshape(x.shape)
+    dweight = torch.mm(dpre.t(), x2)
+    dbias = x.new_empty(0) if bias is None else dpre.sum(0, dtype=torch.float32).to(bias.dtype)
+    return dx, dweight, dbias
+
+
+@triton.jit
+def _zero_outside_kernel(t_ptr, bounds_ptr, M, N, E, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    lo = tl.load(bounds_ptr)
+    hi = tl.load(bounds_ptr + E)
+    first = tl.program_id(0) * BLOCK_M
+    if (first < lo) | (first + BLOCK_M > hi):
+        r = first + tl.arange(0, BLOCK_M)
+        c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        outside = ((r < lo) | (r >= hi)) & (r < M)
+        ptrs = t_ptr + r[:, None].to(tl.int64) * stride + c[None, :]
+        tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=t_ptr.dtype.element_ty),
+                 mask=outside[:, None] & (c[None, :] < N))
+
+
+def _zero_outside(t: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """``t`` (a dense [M, N] result of the library) with the rows before ``bounds[0]`` and from
+    ``bounds[-1]`` on set to 0, in place; blocks of rows inside the experts are not touched."""
+    if t.numel():
+        block_m, block_n = 64, 128
+        _zero_outside_kernel[(cdiv(t.shape[0], block_m), cdiv(t.shape[1], block_n))](
+            t, bounds, t.shape[0], t.shape[1], bounds.shape[0] - 1, t.stride(0), BLOCK_M=block_m, BLOCK_N=block_n)
+    return t
 
 
 def _library_grouped(a: torch.Tensor, *dims: int) -> bool:
@@ -70,9 +122,9 @@ def grouped_in_library(x_sorted: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """``c[rows of e] = a[rows of e] · b[e]`` for ``b`` [E, K, N] (a dense tensor or the transpose of
-    one), on the rows of experts only (the others are left to the caller: `_outside_zeroed`)."""
+    one), 0 on the rows of no expert."""
     if _library_grouped(a, *b.shape[1:]):
-        return torch._grouped_mm(a.contiguous(), b, offs=bounds[1:].to(torch.int32))
+        return _zero_outside(torch._grouped_mm(a.contiguous(), b, offs=bounds[1:].to(torch.int32)), bounds)
     c = torch.zeros((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
     edges = bounds.tolist()
     for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
@@ -84,7 +136,7 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor) -> torch.Te
 def grouped_linear_fwd(x_sorted: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
     """Returns ``(y [M, N],)``."""
     bounds = expert_bounds(offsets, x_sorted.shape[0])
-    return (_outside_zeroed(_grouped(x_sorted, weight.contiguous().transpose(1, 2), bounds), bounds),)
+    return (_grouped(x_sorted, weight.contiguous().transpose(1, 2), bounds),)
 
 
 def grouped_linear_bwd(
@@ -96,15 +148,15 @@ def grouped_linear_bwd(
         return (torch.zeros(x_sorted.shape, dtype=x_sorted.dtype, device=x_sorted.device),
                 torch.zeros((E, N, K), dtype=weight.dtype, device=weight.device))
     bounds = expert_bounds(offsets, x_sorted.shape[0])
-    dy = _outside_zeroed(dy, bounds)
-    dx = _outside_zeroed(_grouped(dy, weight.contiguous(), bounds), bounds)
-    x = _outside_zeroed(x_sorted, bounds)
-    if _library_grouped(dy, N, K) and x.shape[0]:
-        dweight = torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=bounds[1:].to(torch.int32))
+    dx = _grouped(dy, weight.contiguous(), bounds)
+    if _library_grouped(dy, N, K) and x_sorted.shape[0]:
+        # group 0 is the rows before the first expert: computed, then dropped
+        groups = torch._grouped_mm(dy.contiguous().t(), x_sorted.contiguous(), offs=bounds.to(torch.int32))
+        dweight = groups[1:]
     else:
         dweight = torch.zeros((E, N, K), dtype=weight.dtype, device=weight.device)
         edges = bounds.tolist()
         for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
             if end > start:
-                torch.mm(dy[start:end].t(), x[start:end], out=dweight[e])
+                torch.mm(dy[start:end].t(), x_sorted[start:end], out=dweight[e])
     return dx, dweight
