@@ -16,7 +16,8 @@ from . import attention, cross_entropy, device, linear, moe, tuning
 
 NATIVE_MODULES = (attention, cross_entropy, linear, moe)
 """Vendor-native bodies that replace the portable ones of the same kernel on a GPU where their
-`available` says they run (cross-entropy: CuPy; attention and grouped_linear: Hopper); elsewhere the Triton bodies run."""
+`available` says they run (cross-entropy: CuPy; attention and grouped_linear: Hopper); elsewhere the
+Triton bodies run."""
 
 
 class CudaBackend(TritonBackend):
