@@ -92,16 +92,18 @@ kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const ucha
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  // l = 0: the query saw no key (o = 0, lse = −∞); a NaN l (a NaN score, or +∞ − +∞ after an
+  // overflowing score) stays NaN in o and lse, as in the reference's softmax
   for (long e = lane; e < 8 * dp; e += 32) {
     long r = e / dp, c = e % dp;
     if (i0 + r < sq && c < d) {
       float l = stat[8 + r];
-      store(o, qbase + (i0 + r) * d + c, xc, l > 0.0f ? float(os[e]) / l : 0.0f);
+      store(o, qbase + (i0 + r) * d + c, xc, l != 0.0f ? float(os[e]) / l : 0.0f);
     }
   }
   if (lane < 8 && i0 + lane < sq) {
     float l = stat[8 + lane];
-    lse[bh * sq + i0 + lane] = l > 0.0f ? float(stat[lane]) + precise::log(l) : -INFINITY;
+    lse[bh * sq + i0 + lane] = l != 0.0f ? float(stat[lane]) + precise::log(l) : -INFINITY;
   }
 }
 
