@@ -69,3 +69,30 @@ def test_a_gradient_through_the_emulated_shaders(emulated):
     ref.layer_norm(x, w).square().sum().backward()
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
+
+
+def test_moe_gating_ranks_nan_first_as_the_reference(emulated):
+    # NaN ranks above +inf (torch.topk's and the reference's stable sort's order), NaNs and equal
+    # logits among themselves by expert index; a row holding a NaN has NaN probabilities
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, nan, 3.0, nan, inf, -0.0, 0.0, -inf],
+                           [0.5, 2.0, 2.0, -1.0, 0.5, 7.0, -inf, 2.0],
+                           [nan, nan, nan, nan, nan, nan, nan, nan]])
+    weights, indices = kpt.get_backend("mps").moe_gating(logits, k=8, renormalize=False)
+    ref_weights, ref_indices = kpt.get_backend("reference").moe_gating(logits, k=8, renormalize=False)
+    assert indices.tolist() == ref_indices.tolist()
+    assert indices[0].tolist() == [1, 3, 4, 2, 0, 5, 6, 7]
+    torch.testing.assert_close(weights, ref_weights, equal_nan=True)
+
+
+def test_attention_scores_overflowing_float32_give_the_float32_softmax(emulated):
+    # q·kᵀ overflows float32 in the rows holding ±max: the reference's float32 softmax is NaN there
+    # (inf − inf), and so is the kernel's (a NaN softmax denominator is not a query without keys)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 13, 16, generator=g) for _ in range(3))
+    q[0, 0, 3, 5], q[0, 1, 10, 0] = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max
+    for causal in (False, True):
+        o = kpt.get_backend("mps").attention(q, k, v, causal=causal)
+        ref = kpt.get_backend("reference").attention(q, k, v, causal=causal)
+        assert ref.isnan().any()
+        torch.testing.assert_close(o, ref, equal_nan=True)

@@ -9,7 +9,7 @@ from kpt_mps import metal
 from kpt_mps.emulator import BuildError, DispatchError, Library
 
 import kpt
-from kpt.testing import check_forward
+from kpt.testing import check_backward, check_forward
 
 HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
 
@@ -227,3 +227,35 @@ def test_an_off_by_one_in_a_reduction_is_a_numerics_failure(emulated, monkeypatc
             "for (uint s = 0; s + 1 < (threads + 31) / 32; ++s) total += partial[s];")
     report = _rms_norm_check()
     assert not report.ok and "y" in report.message
+
+
+def _attention_backward_check():
+    # grouped-query (two query heads per key/value head), causal with more keys than queries, and
+    # no size a multiple of 8: the tiles' padding and masks are all exercised
+    g = torch.Generator().manual_seed(0)
+    args = {"q": torch.randn(1, 2, 11, 20, generator=g), "k": torch.randn(1, 1, 13, 20, generator=g),
+            "v": torch.randn(1, 1, 13, 20, generator=g), "causal": True, "scale": None}
+    return check_backward(kpt.get_backend("mps"), kpt.SPECS["attention"], args, torch.float32, g)
+
+
+def test_the_tiled_attention_backward_passes_unbroken(emulated):
+    assert _attention_backward_check().ok
+
+
+@pytest.mark.parametrize("barrier, tile", [
+    # dq: the lanes combine P and dP into dS while other lanes still load the score tile
+    ("  // K and dS are read before the next block", "kvs"),
+    # dk, dv: dS overwrites P (and reads dP) with no barrier after the products that read them
+    ("  // dP is written and every lane has read dO and P", r"(ss|dps)"),
+])
+def test_a_removed_barrier_in_the_attention_backward_is_a_reported_race(emulated, monkeypatch, barrier, tile):
+    _broken(monkeypatch, "threadgroup_barrier(mem_flags::mem_threadgroup);" + barrier, barrier)
+    with pytest.raises(kpt.BackendError, match=rf"threadgroup memory race on {tile}\[\d+\]"):
+        _attention_backward_check()
+
+
+def test_an_off_by_one_in_the_attention_backward_mask_is_a_numerics_failure(emulated, monkeypatch):
+    # the backward's causal mask lets each query see one key too many (the forward's mask is its own)
+    _broken(monkeypatch, "(!causal || j <= i + skv - sq)", "(!causal || j <= i + skv - sq + 1)")
+    report = _attention_backward_check()
+    assert not report.ok and "dq" in report.message and "dk" in report.message

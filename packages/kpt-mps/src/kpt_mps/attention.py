@@ -1,6 +1,9 @@
-"""Attention bodies (``shaders/attention.metal``): the forward (one simdgroup per block of 8
-queries, 8×8 simdgroup_matrix products) with its log-sum-exp, then the backward in two dispatches
-(dq with the row statistic delta, then dk and dv)."""
+"""Attention bodies (``shaders/attention.metal``), tiled with 8×8 simdgroup_matrix products: the
+forward (one simdgroup per block of 8 queries, an online softmax) with its log-sum-exp, then the
+backward in two dispatches, each recomputing the probabilities from the log-sum-exp: dq (one
+simdgroup per block of 8 queries; it also writes the row statistic delta = rowsum(dO ⊙ O)), then dk
+and dv (one simdgroup per block of 8 keys, over the queries of every head of its key/value head's
+group)."""
 
 from __future__ import annotations
 
@@ -15,16 +18,18 @@ def _params(q, k, causal, scale):
             metal.floats(scale, like=q))
 
 
-def _threads(n):
-    return -(-n // metal.ROW_THREADS) * metal.ROW_THREADS
+def _simdgroups(*shape):
+    """Threads for one simdgroup (32 threads) per block of 8 rows of ``shape = (B, H, S)``."""
+    b, h, s = shape
+    return b * h * -(-s // 8) * 32
 
 
 def attention_fwd(q, k, v, causal, scale):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    blocks = q.shape[0] * q.shape[1] * -(-q.shape[2] // 8)
-    metal.launch("attention", "attention_fwd", [q, k, v, o, lse, *_params(q, k, causal, scale)], blocks * 32, 32)
+    metal.launch("attention", "attention_fwd", [q, k, v, o, lse, *_params(q, k, causal, scale)],
+                 _simdgroups(*q.shape[:3]), 32)
     return o, lse
 
 
@@ -37,7 +42,7 @@ def attention_bwd(q, k, v, causal, scale, o, lse, do):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     metal.launch("attention", "attention_bwd_dq", [q, k, v, o.contiguous(), lse.contiguous(), do, delta, dq, *params],
-                 _threads(lse.numel()), metal.ROW_THREADS)
+                 _simdgroups(*q.shape[:3]), 32)
     metal.launch("attention", "attention_bwd_dkv", [q, k, v, lse.contiguous(), do, delta, dk, dv, *params],
-                 _threads(k.shape[0] * k.shape[1] * k.shape[2]), metal.ROW_THREADS)
+                 _simdgroups(*k.shape[:3]), 32)
     return dq, dk, dv

@@ -1,6 +1,6 @@
 // Attention with grouped-query heads and a bottom-right causal mask (kpt.kernels.attention's math):
-// the forward tiled with 8×8 simdgroup_matrix products and an online softmax; the backward one
-// thread per query row (dq) or key row (dk, dv).
+// forward and backward tiled with 8×8 simdgroup_matrix products, one simdgroup (32 threads) per
+// threadgroup; the forward with an online softmax, the backward from the forward's log-sum-exp.
 // q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], query head h reads key/value head h / (Hq / Hkv);
 // query i sees keys j <= i + Skv − Sq (causal). A query that sees no key gives o = 0, lse = −∞.
 
@@ -92,97 +92,238 @@ kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const ucha
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  // l = 0: the query saw no key (o = 0, lse = −∞); a NaN l (a NaN score, or +∞ − +∞ after an
+  // overflowing score) stays NaN in o and lse, as in the reference's softmax
   for (long e = lane; e < 8 * dp; e += 32) {
     long r = e / dp, c = e % dp;
     if (i0 + r < sq && c < d) {
       float l = stat[8 + r];
-      store(o, qbase + (i0 + r) * d + c, xc, l > 0.0f ? float(os[e]) / l : 0.0f);
+      store(o, qbase + (i0 + r) * d + c, xc, l != 0.0f ? float(os[e]) / l : 0.0f);
     }
   }
   if (lane < 8 && i0 + lane < sq) {
     float l = stat[8 + lane];
-    lse[bh * sq + i0 + lane] = l > 0.0f ? float(stat[lane]) + precise::log(l) : -INFINITY;
+    lse[bh * sq + i0 + lane] = l != 0.0f ? float(stat[lane]) + precise::log(l) : -INFINITY;
   }
 }
 
-// Thread per query row: delta = Σ dO · O, dq = scale · Σ_j p (dO · v_j − delta) k_j.
+// Whether query i sees key j (the causal mask is bottom-right aligned); rows and columns of a tile
+// past the end of the sequences see nothing.
+inline bool attention_visible(long i, long j, long sq, long skv, bool causal) {
+  return i < sq && j < skv && (!causal || j <= i + skv - sq);
+}
+
+// The backward for dq: one simdgroup per block of 8 queries of one (batch, head), the row statistic
+// delta = rowsum(dO ⊙ O) first (written for attention_bwd_dkv), then over key blocks of 8, with 8×8
+// simdgroup_matrix products over the head dimension (padded to a multiple of 8 with zeros):
+//   dP = dO·Vᵀ,  S = Q·Kᵀ,  P = exp(S·scale − lse) (0 where masked),  dS = P ⊙ (dP − delta),
+//   dq += dS·K,  finally dq · scale.
+// V is read before K so that one tile serves both. dq accumulates in float32 simdgroup matrices (one
+// per 8 columns of the head dimension). Threadgroup memory: Q, dO, the V then K tile (3 × 8 × 256
+// floats = 24 KB), the score tile (S, then P, then dS), the dP tile and the row statistics.
 // ip, fp: as the forward's
 kernel void attention_bwd_dq(device const uchar* q [[buffer(0)]], device const uchar* k [[buffer(1)]],
                              device const uchar* v [[buffer(2)]], device const uchar* o [[buffer(3)]],
                              device const float* lse [[buffer(4)]], device const uchar* dout [[buffer(5)]],
                              device float* delta [[buffer(6)]], device uchar* dq [[buffer(7)]],
                              constant long* ip [[buffer(8)]], constant float* fp [[buffer(9)]],
-                             uint idx [[thread_position_in_grid]]) {
+                             uint blk [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float qs[8 * MAX_HEAD_DIM];
+  threadgroup float dos[8 * MAX_HEAD_DIM];
+  threadgroup float kvs[8 * MAX_HEAD_DIM];
+  threadgroup float ss[64];
+  threadgroup float dps[64];
+  threadgroup float rows[16];  // per query row: lse, delta
   long hq = ip[1], hkv = ip[2], sq = ip[3], skv = ip[4], d = ip[5];
   bool causal = ip[6] != 0;
   int xc = int(ip[7]);
-  if (long(idx) >= ip[0] * hq * sq) return;
-  long i = long(idx) % sq, h = (long(idx) / sq) % hq, b = long(idx) / (sq * hq);
-  long kv = (b * hkv + h / (hq / hkv)) * skv * d, row = long(idx) * d;
-  long last = causal ? min(i + skv - sq, skv - 1) : skv - 1;
-  float qv[MAX_HEAD_DIM], dov[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
-  float dl = 0.0f;
-  for (long c = 0; c < d; ++c) {
-    qv[c] = load(q, row + c, xc);
-    dov[c] = load(dout, row + c, xc);
-    dl += dov[c] * load(o, row + c, xc);
-    acc[c] = 0.0f;
+  float scale = fp[0];
+  long dp = (d + 7) / 8 * 8, blocks = (sq + 7) / 8;
+  long i0 = long(blk) % blocks * 8, bh = long(blk) / blocks, h = bh % hq, b = bh / hq;
+  long qbase = bh * sq * d, kv = (b * hkv + h / (hq / hkv)) * skv * d;
+  for (long e = lane; e < 8 * dp; e += 32) {
+    long r = e / dp, c = e % dp;
+    bool in = i0 + r < sq && c < d;
+    qs[e] = in ? load(q, qbase + (i0 + r) * d + c, xc) : 0.0f;
+    dos[e] = in ? load(dout, qbase + (i0 + r) * d + c, xc) : 0.0f;
   }
-  float scale = fp[0], stat = lse[idx];
-  for (long j = 0; j <= last; ++j) {
-    float s = 0.0f, dp = 0.0f;
-    for (long c = 0; c < d; ++c) {
-      s += qv[c] * load(k, kv + j * d + c, xc);
-      dp += dov[c] * load(v, kv + j * d + c, xc);
+  if (lane < 8) {
+    long i = i0 + lane;
+    float stat = 0.0f, dl = 0.0f;
+    if (i < sq) {
+      for (long c = 0; c < d; ++c) dl += load(dout, qbase + i * d + c, xc) * load(o, qbase + i * d + c, xc);
+      stat = lse[bh * sq + i];
+      delta[bh * sq + i] = dl;
     }
-    float ds = precise::exp(s * scale - stat) * (dp - dl);
-    for (long c = 0; c < d; ++c) acc[c] += ds * load(k, kv + j * d + c, xc);
+    rows[lane] = stat;
+    rows[8 + lane] = dl;
   }
-  for (long c = 0; c < d; ++c) store(dq, row + c, xc, acc[c] * scale);
-  delta[idx] = dl;
+  simdgroup_float8x8 dqm[MAX_HEAD_DIM / 8];
+  for (long c = 0; c < dp; c += 8) dqm[c / 8] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  long last_key = causal ? min(min(i0 + 7, sq - 1) + skv - sq, skv - 1) : skv - 1;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (long j0 = 0; j0 <= last_key; j0 += 8) {
+    for (long e = lane; e < 8 * dp; e += 32) {
+      long r = e / dp, c = e % dp;
+      kvs[e] = (j0 + r < skv && c < d) ? load(v, kv + (j0 + r) * d + c, xc) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    simdgroup_float8x8 am, bm;
+    for (long c = 0; c < dp; c += 8) {
+      simdgroup_load(am, dos + c, dp);
+      simdgroup_load(bm, kvs + c, dp, ulong2(0, 0), true);
+      simdgroup_multiply_accumulate(acc, am, bm, acc);
+    }
+    simdgroup_store(acc, dps + 0, 8);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every lane has read V before K replaces it
+    for (long e = lane; e < 8 * dp; e += 32) {
+      long r = e / dp, c = e % dp;
+      kvs[e] = (j0 + r < skv && c < d) ? load(k, kv + (j0 + r) * d + c, xc) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (long c = 0; c < dp; c += 8) {
+      simdgroup_load(am, qs + c, dp);
+      simdgroup_load(bm, kvs + c, dp, ulong2(0, 0), true);
+      simdgroup_multiply_accumulate(acc, am, bm, acc);
+    }
+    simdgroup_store(acc, ss + 0, 8);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int e = int(lane); e < 64; e += 32) {  // the tile's elements, two per lane
+      long r = e / 8, j = e % 8;
+      float s = ss[e], dpv = dps[e], stat = rows[r], dl = rows[8 + r];
+      float p = attention_visible(i0 + r, j0 + j, sq, skv, causal) ? precise::exp(s * scale - stat) : 0.0f;
+      ss[e] = p * (dpv - dl);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    simdgroup_load(am, ss + 0, 8);
+    for (long c = 0; c < dp; c += 8) {
+      simdgroup_load(bm, kvs + c, dp);
+      simdgroup_multiply_accumulate(dqm[c / 8], am, bm, dqm[c / 8]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K and dS are read before the next block
+  }
+  for (long c = 0; c < dp; c += 8) simdgroup_store(dqm[c / 8], qs + c, dp);  // staged through Q's tile
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (long e = lane; e < 8 * dp; e += 32) {
+    long r = e / dp, c = e % dp;
+    if (i0 + r < sq && c < d) store(dq, qbase + (i0 + r) * d + c, xc, float(qs[e]) * scale);
+  }
 }
 
-// Thread per key row j of key/value head g: over the queries of every head in g's group that see j,
-// dv = Σ p dO,  dk = scale · Σ p (dO · v_j − delta) q.  ip, fp: as the forward's
+// The backward for dk and dv: one simdgroup per block of 8 keys of one (batch, key/value head) g,
+// over the query heads of g's group and their blocks of 8 queries that see a key of the block:
+//   S = Q·Kᵀ,  P = exp(S·scale − lse) (0 where masked),  dP = dO·Vᵀ,  dv += Pᵀ·dO,
+//   dS = P ⊙ (dP − delta),  dk += dSᵀ·Q,  finally dk · scale.
+// Each simdgroup owns its keys' rows of dk and dv: no atomics. One tile holds Q, then dO, then Q
+// again (read twice so that K, V and it fit 24 KB); dk and dv accumulate in float32 simdgroup
+// matrices. delta comes from attention_bwd_dq.  ip, fp: as the forward's
 kernel void attention_bwd_dkv(device const uchar* q [[buffer(0)]], device const uchar* k [[buffer(1)]],
                               device const uchar* v [[buffer(2)]], device const float* lse [[buffer(3)]],
                               device const uchar* dout [[buffer(4)]], device const float* delta [[buffer(5)]],
                               device uchar* dk [[buffer(6)]], device uchar* dv [[buffer(7)]],
                               constant long* ip [[buffer(8)]], constant float* fp [[buffer(9)]],
-                              uint idx [[thread_position_in_grid]]) {
+                              uint blk [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float ks[8 * MAX_HEAD_DIM];
+  threadgroup float vs[8 * MAX_HEAD_DIM];
+  threadgroup float xs[8 * MAX_HEAD_DIM];
+  threadgroup float ss[64];
+  threadgroup float dps[64];
+  threadgroup float rows[16];  // per query row: lse, delta
   long hq = ip[1], hkv = ip[2], sq = ip[3], skv = ip[4], d = ip[5];
   bool causal = ip[6] != 0;
   int xc = int(ip[7]);
-  if (long(idx) >= ip[0] * hkv * skv) return;
-  long j = long(idx) % skv, g = (long(idx) / skv) % hkv, b = long(idx) / (skv * hkv), group = hq / hkv;
-  long row = long(idx) * d;
-  long first = causal ? max(j - (skv - sq), 0L) : 0;
-  float kr[MAX_HEAD_DIM], vr[MAX_HEAD_DIM], dk_acc[MAX_HEAD_DIM], dv_acc[MAX_HEAD_DIM];
-  for (long c = 0; c < d; ++c) {
-    kr[c] = load(k, row + c, xc);
-    vr[c] = load(v, row + c, xc);
-    dk_acc[c] = 0.0f;
-    dv_acc[c] = 0.0f;
-  }
   float scale = fp[0];
+  long dp = (d + 7) / 8 * 8, blocks = (skv + 7) / 8, group = hq / hkv;
+  long j0 = long(blk) % blocks * 8, bg = long(blk) / blocks, g = bg % hkv, b = bg / hkv;
+  long kv = bg * skv * d;
+  for (long e = lane; e < 8 * dp; e += 32) {
+    long r = e / dp, c = e % dp;
+    bool in = j0 + r < skv && c < d;
+    ks[e] = in ? load(k, kv + (j0 + r) * d + c, xc) : 0.0f;
+    vs[e] = in ? load(v, kv + (j0 + r) * d + c, xc) : 0.0f;
+  }
+  simdgroup_float8x8 dkm[MAX_HEAD_DIM / 8], dvm[MAX_HEAD_DIM / 8];
+  for (long c = 0; c < dp; c += 8) {
+    dkm[c / 8] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    dvm[c / 8] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  long first = causal ? max(j0 - (skv - sq), 0L) : 0;  // the first query that sees key j0
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   for (long h = g * group; h < (g + 1) * group; ++h) {
-    for (long i = first; i < sq; ++i) {
-      long qi = (b * hq + h) * sq + i, qrow = qi * d;
-      float s = 0.0f, dp = 0.0f;
-      for (long c = 0; c < d; ++c) {
-        s += load(q, qrow + c, xc) * kr[c];
-        dp += load(dout, qrow + c, xc) * vr[c];
+    long qrow = (b * hq + h) * sq;  // the index of the head's first query row
+    for (long i0 = first; i0 < sq; i0 += 8) {
+      for (long e = lane; e < 8 * dp; e += 32) {
+        long r = e / dp, c = e % dp;
+        xs[e] = (i0 + r < sq && c < d) ? load(q, (qrow + i0 + r) * d + c, xc) : 0.0f;
       }
-      float p = precise::exp(s * scale - lse[qi]);
-      float ds = p * (dp - delta[qi]);
-      for (long c = 0; c < d; ++c) {
-        dv_acc[c] += p * load(dout, qrow + c, xc);
-        dk_acc[c] += ds * load(q, qrow + c, xc);
+      if (lane < 8) {
+        bool in = i0 + lane < sq;
+        rows[lane] = in ? lse[qrow + i0 + lane] : 0.0f;
+        rows[8 + lane] = in ? delta[qrow + i0 + lane] : 0.0f;
       }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      simdgroup_float8x8 am, bm;
+      for (long c = 0; c < dp; c += 8) {
+        simdgroup_load(am, xs + c, dp);
+        simdgroup_load(bm, ks + c, dp, ulong2(0, 0), true);
+        simdgroup_multiply_accumulate(acc, am, bm, acc);
+      }
+      simdgroup_store(acc, ss + 0, 8);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int e = int(lane); e < 64; e += 32) {  // the tile's elements, two per lane
+        long r = e / 8, j = e % 8;
+        float s = ss[e], stat = rows[r];
+        ss[e] = attention_visible(i0 + r, j0 + j, sq, skv, causal) ? precise::exp(s * scale - stat) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // P is written and every lane has read Q
+      for (long e = lane; e < 8 * dp; e += 32) {
+        long r = e / dp, c = e % dp;
+        xs[e] = (i0 + r < sq && c < d) ? load(dout, (qrow + i0 + r) * d + c, xc) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (long c = 0; c < dp; c += 8) {
+        simdgroup_load(am, xs + c, dp);
+        simdgroup_load(bm, vs + c, dp, ulong2(0, 0), true);
+        simdgroup_multiply_accumulate(acc, am, bm, acc);
+      }
+      simdgroup_store(acc, dps + 0, 8);
+      simdgroup_load(am, ss + 0, 8, ulong2(0, 0), true);  // Pᵀ
+      for (long c = 0; c < dp; c += 8) {
+        simdgroup_load(bm, xs + c, dp);
+        simdgroup_multiply_accumulate(dvm[c / 8], am, bm, dvm[c / 8]);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // dP is written and every lane has read dO and P
+      for (int e = int(lane); e < 64; e += 32) {
+        float p = ss[e], dpv = dps[e], dl = rows[8 + e / 8];
+        ss[e] = p * (dpv - dl);
+      }
+      for (long e = lane; e < 8 * dp; e += 32) {
+        long r = e / dp, c = e % dp;
+        xs[e] = (i0 + r < sq && c < d) ? load(q, (qrow + i0 + r) * d + c, xc) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      simdgroup_load(am, ss + 0, 8, ulong2(0, 0), true);  // dSᵀ
+      for (long c = 0; c < dp; c += 8) {
+        simdgroup_load(bm, xs + c, dp);
+        simdgroup_multiply_accumulate(dkm[c / 8], am, bm, dkm[c / 8]);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // Q, dS and the statistics are read before the next block
     }
   }
-  for (long c = 0; c < d; ++c) {
-    store(dk, row + c, xc, dk_acc[c] * scale);
-    store(dv, row + c, xc, dv_acc[c]);
+  for (long c = 0; c < dp; c += 8) {  // staged through K's and V's tiles
+    simdgroup_store(dkm[c / 8], ks + c, dp);
+    simdgroup_store(dvm[c / 8], vs + c, dp);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (long e = lane; e < 8 * dp; e += 32) {
+    long r = e / dp, c = e % dp;
+    if (j0 + r < skv && c < d) {
+      store(dk, kv + (j0 + r) * d + c, xc, float(ks[e]) * scale);
+      store(dv, kv + (j0 + r) * d + c, xc, float(vs[e]));
+    }
   }
 }

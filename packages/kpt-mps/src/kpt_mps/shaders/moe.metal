@@ -3,8 +3,8 @@
 // outside [0, E) sorts after every expert; an order value outside [0, P) names no pair; of rows
 // naming one pair the last wins.
 
-// One threadgroup per token: p = softmax(z); the k largest logits (equal logits: lower expert
-// first), weights = p[indices] (/ their sum when renormalizing). ip: E, k, code of z, renormalize
+// One threadgroup per token: p = softmax(z); the k largest logits (NaN largest; equal logits: lower
+// expert first), weights = p[indices] (/ their sum when renormalizing). ip: E, k, code of z, renormalize
 kernel void moe_gating_fwd(device const uchar* z [[buffer(0)]], device float* weights [[buffer(1)]],
                            device int* indices [[buffer(2)]], constant long* ip [[buffer(3)]],
                            uint token [[threadgroup_position_in_grid]], uint lid [[thread_position_in_threadgroup]],
@@ -18,20 +18,27 @@ kernel void moe_gating_fwd(device const uchar* z [[buffer(0)]], device float* we
   float s = 0.0f;
   for (long c = lid; c < e_count; c += nt) s += precise::exp(load(z, base + c, zc) - m);
   s = group_sum(s, partial, lid, nt);
-  float prev = INFINITY;
+  // The order of the picks is the reference's stable descending sort: NaN first (as torch.topk
+  // ranks it), then value descending; equal values (NaNs among themselves) by index ascending.
+  float prev = NAN;  // the previous pick; NaN with index -1 before the first: every logit ranks after it
   long prev_index = -1;
   float total = 0.0f;
   for (long j = 0; j < k; ++j) {
-    // this thread's best logit ranked after the previous pick: (value descending, index ascending)
+    // this thread's first logit in that order after the previous pick
     float best = -INFINITY;
     long best_index = e_count;
     for (long c = lid; c < e_count; c += nt) {
       float v = load(z, base + c, zc);
-      bool after = v < prev || (v == prev && c > prev_index);
-      if (after && (v > best || best_index == e_count)) { best = v; best_index = c; }
+      bool after = isnan(prev) ? (!isnan(v) || c > prev_index) : (!isnan(v) && (v < prev || (v == prev && c > prev_index)));
+      bool before_best = best_index == e_count || (isnan(v) ? !isnan(best) : (!isnan(best) && v > best));
+      if (after && before_best) { best = v; best_index = c; }
     }
-    float top = group_max(best_index < e_count ? best : -INFINITY, partial, lid, nt);
-    float first = -group_max(best_index < e_count && best == top ? -float(best_index) : -INFINITY, partial, lid, nt);
+    bool found = best_index < e_count;
+    // group_max drops NaNs (Metal's max does): whether a thread holds a NaN is reduced on its own
+    bool nan_top = group_max(found && isnan(best) ? 1.0f : 0.0f, partial, lid, nt) > 0.0f;
+    float top = nan_top ? NAN : group_max(found ? best : -INFINITY, partial, lid, nt);
+    bool at_top = found && (nan_top ? isnan(best) : best == top);
+    float first = -group_max(at_top ? -float(best_index) : -INFINITY, partial, lid, nt);
     prev = top;
     prev_index = long(first);
     float p = precise::exp(top - m) / s;
