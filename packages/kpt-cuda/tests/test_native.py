@@ -26,16 +26,27 @@ def test_unfused_linear_matches_the_reference(activation, bias):
     assert pre.numel() == (0 if activation is None else y.numel())
 
 
-def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False):
-    return attention._library(torch.empty(1, 8, sq, d, dtype=dtype), torch.empty(1, 2, skv, d, dtype=dtype), causal,
-                              scale, backward)
+def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False, batch=1):
+    return attention._library(torch.empty(batch, 8, sq, d, dtype=dtype), torch.empty(batch, 2, skv, d, dtype=dtype),
+                              causal, scale, backward)
+
+
+@pytest.fixture(autouse=True)
+def _an_h100(monkeypatch):
+    """132 multiprocessors, as an H100 SXM has."""
+    monkeypatch.setattr(attention, "_multiprocessors", lambda dev: 132)
 
 
 def test_attention_library_choice():
     assert _lib(64, 64, True) == "cudnn"  # equal lengths: cuDNN's top-left mask is kpt's
     assert _lib(1, 4096, True) == "cudnn"  # one query sees every key: no mask to align
     assert _lib(8, 4096, True) == "flash"  # a KV cache: FlashAttention's bottom-right mask
-    assert _lib(8, 4096, False) == "flash"
+    assert _lib(8, 4096, False) == "flash"  # few query tiles: FlashAttention splits the keys
+    assert _lib(8, 4096, True, batch=32) == "cudnn-mask"  # 32 x 8 tiles: cuDNN with kpt's mask
+    assert _lib(8, 4096, False, batch=32) == "cudnn"
+    assert _lib(8, 4092, True, batch=32) == "flash"  # the mask's rows would not be 16-byte aligned
+    assert _lib(8, 4096, True, batch=32, backward=True) == "flash"
+    assert _lib(1, 1, False, backward=True) == "flash"  # cuDNN's backward refuses Sq = Skv = 1
     assert _lib(100, 10, True) is None  # queries that see no key: the portable kernel's zeros
     assert _lib(100, 10, False) == "flash"
     assert _lib(64, 0, False) is None
