@@ -29,4 +29,4 @@ def rope_bwd(q, k, cos, sin, q_out, k_out, dq_out, dk_out):
             return torch.zeros_like(t, memory_format=torch.contiguous_format)
         return _rotate(dout, cos, sin, True)
 
-    return grad(q, dq_out), grad(k, dk_out)
+    return grad(q_out, dq_out), grad(k_out, dk_out)  # q, k: None (not saved)

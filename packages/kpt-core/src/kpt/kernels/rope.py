@@ -92,9 +92,10 @@ def rope_backward(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     q_out: Tensor, k_out: Tensor, dq_out: Tensor | None, dk_out: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(dq, dk)``; a missing output gradient counts as zero."""
-    c, s = _tables(cos, sin, q.dtype)
-    return _rotate_backward(q, dq_out, c, s), _rotate_backward(k, dk_out, c, s)
+    """Returns ``(dq, dk)``; a missing output gradient counts as zero. ``q`` and ``k`` are not saved
+    for the backward (it is a rotation by -θ): they come as None, ``q_out``/``k_out`` give the shapes."""
+    c, s = _tables(cos, sin, q_out.dtype)
+    return _rotate_backward(q_out, dq_out, c, s), _rotate_backward(k_out, dk_out, c, s)
 
 
 def _flops(a: Args) -> float:
@@ -190,6 +191,7 @@ ROPE = KernelSpec(
     backward=rope_backward,
     outputs=("q_out", "k_out"),
     differentiable=("q", "k"),
+    unsaved=("q", "k"),
     flops=_flops,
     cases=_cases,
     bad_inputs=_bad_inputs,

@@ -47,7 +47,7 @@ def rope_bwd(q, k, cos, sin, q_out, k_out, dq_out, dk_out):
         return a.out(a.cast(dv * c - _rotate_half(a, a.cast(dv * s, f"d{name}·sin", a.wide)), f"d{name}"),
                      t.dtype)
 
-    return back(q, dq_out, "q"), back(k, dk_out, "k")
+    return back(q_out, dq_out, "q"), back(k_out, dk_out, "k")  # q, k: None (not saved)
 
 
 def _design(call: Call, q, k, cos, work: float, grads: int) -> Design:
@@ -66,5 +66,6 @@ def rope_design(call: Call, q, k, cos, sin):
     return _design(call, q, k, cos, flops("rope", (q, k, cos, sin)), 1)
 
 
-def rope_bwd_design(call: Call, q, k, cos, sin, *outputs_and_grads):
-    return _design(call, q, k, cos, flops("rope", (q, k, cos, sin)), 1)
+def rope_bwd_design(call: Call, q, k, cos, sin, q_out, k_out, *grads):
+    # q, k are not saved for the backward (None): the outputs have their shapes
+    return _design(call, q_out, k_out, cos, flops("rope", (q_out, k_out, cos, sin)), 1)
