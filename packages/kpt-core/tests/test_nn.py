@@ -84,6 +84,40 @@ def test_gated_mlp(activation: str, act) -> None:
         kpt.nn.GatedMLP(32, 64, "relu")
 
 
+def _saved_shapes(fn) -> list[tuple[int, ...]]:
+    """The shapes of the tensors autograd keeps for the backward of ``fn()``."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        fn()
+    return shapes
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_gated_mlp_recomputes_the_product(bias: bool) -> None:
+    """The default keeps gate and up but not their product for the backward, with every gradient
+    as the plain path gives it; a down_proj with a hook runs as a module."""
+    torch.manual_seed(1)
+    mlp = kpt.nn.GatedMLP(16, 40, bias=bias, dtype=torch.float64)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(3, 5, 16, dtype=torch.float64)
+    runs = {}
+    for recompute in (True, False):
+        mlp.recompute = recompute
+        saved = _saved_shapes(lambda r=recompute: runs.setdefault(r, mlp(x)))
+        runs[recompute] = (runs[recompute], torch.autograd.grad(runs[recompute], [x, *mlp.parameters()], dy))
+        products = [s for s in saved if s == (3, 5, 40)]  # gate, up (and the product without recompute)
+        assert len(products) == (2 if recompute else 3)
+    (y, g), (y_plain, g_plain) = runs[True], runs[False]
+    torch.testing.assert_close(y, y_plain, rtol=0, atol=0)
+    for a, b in zip(g, g_plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    mlp.recompute = True
+    calls = []
+    mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
+    mlp(x)
+    assert calls == [1]
+
+
 def test_rotary_tables_and_rotation() -> None:
     rotary = kpt.nn.RotaryEmbedding(16, base=500.0)
     positions = torch.arange(6)

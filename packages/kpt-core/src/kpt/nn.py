@@ -86,10 +86,20 @@ class LayerNorm(nn.Module):
 
 class GatedMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU for ``activation="silu"``, GeGLU
-    (tanh gelu) for ``"gelu_tanh"``; the gate and the product are one kpt kernel."""
+    (tanh gelu) for ``"gelu_tanh"``; the gate and the product are one kpt kernel.
+
+    With ``recompute`` (the default), training keeps ``gate`` and ``up`` for the backward but not
+    their product, the input of ``down_proj``: the backward runs the kernel again to get it. That
+    product is a ``[tokens, intermediate]`` tensor in every layer, so the activations held for the
+    backward shrink by about a sixth of a Llama block's, for one elementwise pass per layer. It
+    applies where ``down_proj`` is a plain ``nn.Linear`` (no hooks, no replaced ``forward``, as an
+    adapter or an offloading wrapper would set); otherwise, and without gradients, the layer calls
+    ``down_proj`` as it is.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 recompute: bool = True) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise KernelNotSupportedError(f"kpt.nn.GatedMLP: activation {activation!r} has no fused kernel; "
@@ -99,6 +109,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
         self.activation = activation
+        self.recompute = recompute
 
     @classmethod
     def from_linears(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
@@ -110,7 +121,86 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(getattr(backend(gate), ACTIVATIONS[self.activation])(gate, up))
+        kernel = getattr(backend(gate), ACTIVATIONS[self.activation])
+        down = self.down_proj
+        if self.recompute and torch.is_grad_enabled() and _plain_linear(down):
+            return _RecomputedProduct.apply(gate, up, down.weight, down.bias, kernel)
+        return down(kernel(gate, up))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}" + ("" if self.recompute else ", recompute=False")
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` as torch defines it: no subclass, no hooks, no ``forward`` set on it (an
+    adapter or an offloading wrapper), so that its math can run inside another function."""
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and "forward" not in module.__dict__)
+
+
+def project_heads(o_proj: nn.Module, out: Tensor) -> Tensor:
+    """``o_proj`` of attention's output ``out [B, H, S, D]`` with the heads side by side per token.
+
+    That layout is a copy of ``out``, which the attention already keeps for its backward: under
+    autograd, a plain ``nn.Linear`` keeps ``out`` only and the backward copies it again, so a layer
+    holds one ``[B, S, H·D]`` activation less. Otherwise ``o_proj`` is called as it is."""
+    if torch.is_grad_enabled() and _plain_linear(o_proj):
+        return _HeadsProjection.apply(out, o_proj.weight, o_proj.bias)
+    b, _, s, _ = out.shape
+    return o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _HeadsProjection(torch.autograd.Function):
+    """``linear(out.transpose(1, 2).reshape(B, S, H·D), weight, bias)``, keeping ``out`` (not its
+    transposed copy) for the backward (`project_heads`)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        b, _, s, _ = out.shape
+        ctx.save_for_backward(out, weight)
+        ctx.has_bias = bias is not None
+        return nn.functional.linear(out.transpose(1, 2).reshape(b, s, -1), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        out, weight = ctx.saved_tensors
+        b, h, s, d = out.shape
+        rows = dy.reshape(-1, dy.shape[-1])
+        dout = dweight = dbias = None
+        if ctx.needs_input_grad[0]:
+            dout = rows.mm(weight).reshape(b, s, h, d).transpose(1, 2)
+        if ctx.needs_input_grad[1]:
+            dweight = rows.t().mm(out.transpose(1, 2).reshape(b * s, h * d))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = rows.sum(0)
+        return dout, dweight, dbias
+
+
+class _RecomputedProduct(torch.autograd.Function):
+    """``linear(kernel(gate, up), weight, bias)``, keeping ``gate``, ``up`` and ``weight`` for the
+    backward but not ``kernel(gate, up)``, which the backward computes again (`GatedMLP`)."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None, kernel: Any) -> Tensor:
+        with torch.no_grad():
+            product = kernel(gate, up)
+        ctx.save_for_backward(gate, up, weight)
+        ctx.kernel, ctx.has_bias = kernel, bias is not None
+        return nn.functional.linear(product, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        gate, up, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            product = ctx.kernel(g, u)
+        rows = dout.reshape(-1, dout.shape[-1])
+        dweight = rows.t().mm(product.detach().reshape(-1, product.shape[-1])) if ctx.needs_input_grad[2] else None
+        dbias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        dgate = dup = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dgate, dup = torch.autograd.grad(product, (g, u), dout.matmul(weight))
+        return dgate, dup, dweight, dbias, None
 
 
 class RotaryEmbedding(nn.Module):
@@ -199,7 +289,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
         out = backend(q).attention(q, k, v, self.causal, self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return project_heads(self.o_proj, out)
 
 
 class LinearCrossEntropyLoss(nn.Module):

@@ -117,7 +117,7 @@ def _attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tu
             "batches, or patch with kpt.patch(model, attention=False) (kpt's rope, transformers' attention)")
     q, k, v, shape = _rotated(self, hidden_states, position_embeddings, past_key_values)
     out = knn.backend(q).attention(q, k, v, getattr(self, "is_causal", True), self.scaling)
-    return self.o_proj(out.transpose(1, 2).reshape(*shape, -1)), None
+    return knn.project_heads(self.o_proj, out), None
 
 
 def _rotary_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
