@@ -27,6 +27,21 @@ so with scores in the hundreds float32 gradients carry errors of about 1e-5 rela
 One kernel owns a block of keys and accumulates dk, dv over every query head of its group (no
 atomics); a second kernel owns a block of queries and accumulates dq.
 
+Special values (``kpt.kernels``) in the forward give what the reference's dense math gives: a NaN
+score makes its row's o and lse NaN; a +inf score gives lse = +inf and o = NaN (exp(inf − inf));
+a key hidden by the causal mask never enters a score (NaN or inf in its q·k is masked away), but
+the reference's ``p · v`` still multiplies its v row by p = 0, so an inf or NaN there makes that
+column of o NaN for every query it is hidden from, a query that sees no key included. The key
+blocks past the diagonal are never loaded, so with a causal mask and more than one query a pass
+over v first records per column the last row holding an inf or NaN (`_last_nonfinite_kernel`),
+and the forward's epilogue applies it: one read of v, nothing in the inner loop.
+
+The backward matches the reference where every (query, key) pair is computed: without a causal
+mask. With one, it skips the pairs hidden by the mask, where the reference's dense products meet
+p = 0 or ds = 0 times an inf or NaN (0 · NaN = NaN): there its dq, dk, dv can be finite where the
+reference's are NaN, and a k or q row holding inf can meet the zero rows that pad a partial tile
+(inf · 0), giving NaN where the reference's are finite.
+
 Head dims that are not powers of two are padded in registers and masked. Under
 ``TRITON_INTERPRET=1`` the dot operands are promoted to float32 (the interpreter has no 16-bit
 dot), so the numerics run on a CPU.
