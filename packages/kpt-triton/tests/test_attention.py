@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kpt
-from conftest import check_kernel, device
+from conftest import assert_close, check_kernel, device, to64
 from kpt.spec import randn
 from kpt_triton import attention as k
 
@@ -134,3 +134,34 @@ def test_no_output_gradient_gives_zeros():
     grads = k.attention_bwd(*a.values(), o, lse, None)
     for grad, inp in zip(grads, (a["q"], a["k"], a["v"])):
         assert grad.shape == inp.shape and grad.dtype == inp.dtype and not bool(grad.any())
+
+
+# (input, row, value, causal): a NaN or ±inf score in a row; a key hidden from the first queries
+# (causal, in a key block past their diagonal) with inf or NaN in k (masked away) and in v (the
+# reference's p · v gives 0 · inf = NaN in that column, the queries that see no key included)
+SPECIALS = {
+    "nan_query": ("q", 30, float("nan"), False),
+    "inf_key": ("k", 3, float("inf"), False),
+    "neg_inf_key_causal": ("k", 40, float("-inf"), True),
+    "hidden_nan_key": ("k", 55, float("nan"), True),
+    "hidden_inf_value": ("v", 55, float("inf"), True),
+    "hidden_nan_value": ("v", 50, float("nan"), True),
+}
+
+
+@pytest.mark.parametrize("case", SPECIALS.values(), ids=SPECIALS.keys())
+def test_forward_special_values_match_the_reference(dtype, case):
+    """o and lse carry inf and NaN exactly where the float64 reference does (`kpt.kernels`)."""
+    name, row, value, causal = case
+    g = torch.Generator().manual_seed(13)
+    a = _args(g, dtype, 1, 2, 1, 70, 60, 32, causal)  # causal: queries 0..9 see no key
+    a[name][0, 0, row, 5] = value
+    a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v for n, v in a.items()}
+    o, lse = k.attention_fwd(*a.values(), **_all_dims(16, 16))
+    o64, lse64 = kpt.SPECS["attention"].forward(*(to64(v) for v in a.values()))
+    for out, ref, what in ((o, o64, "o"), (lse, lse64, "lse")):
+        out, ref = out.cpu().double(), ref.cpu()
+        assert torch.equal(out.isnan(), ref.isnan()), f"{what}: NaN at other places than the reference's"
+        assert torch.equal(out.isinf(), ref.isinf()) and bool((out[ref.isinf()] == ref[ref.isinf()]).all())
+        finite = ref.isfinite()
+        assert_close(out[finite], ref[finite], dtype, what)

@@ -27,6 +27,21 @@ so with scores in the hundreds float32 gradients carry errors of about 1e-5 rela
 One kernel owns a block of keys and accumulates dk, dv over every query head of its group (no
 atomics); a second kernel owns a block of queries and accumulates dq.
 
+Special values (``kpt.kernels``) in the forward give what the reference's dense math gives: a NaN
+score makes its row's o and lse NaN; a +inf score gives lse = +inf and o = NaN (exp(inf − inf));
+a key hidden by the causal mask never enters a score (NaN or inf in its q·k is masked away), but
+the reference's ``p · v`` still multiplies its v row by p = 0, so an inf or NaN there makes that
+column of o NaN for every query it is hidden from, a query that sees no key included. The key
+blocks past the diagonal are never loaded, so with a causal mask and more than one query a pass
+over v first records per column the last row holding an inf or NaN (`_last_nonfinite_kernel`),
+and the forward's epilogue applies it: one read of v, nothing in the inner loop.
+
+The backward matches the reference where every (query, key) pair is computed: without a causal
+mask. With one, it skips the pairs hidden by the mask, where the reference's dense products meet
+p = 0 or ds = 0 times an inf or NaN (0 · NaN = NaN): there its dq, dk, dv can be finite where the
+reference's are NaN, and a k or q row holding inf can meet the zero rows that pad a partial tile
+(inf · 0), giving NaN where the reference's are finite.
+
 Head dims that are not powers of two are padded in registers and masked. Under
 ``TRITON_INTERPRET=1`` the dot operands are promoted to float32 (the interpreter has no 16-bit
 dot), so the numerics run on a CPU.
@@ -85,6 +100,24 @@ def _causal_range(start_m, shift, Skv, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _last_nonfinite_kernel(
+    X, LAST,  # X [B, H, N, D]; LAST contiguous int32 [B, H, D]
+    stride_b, stride_h, stride_n, stride_d, H, N,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``LAST[b, h, d]``: the last row of ``X[b, h]`` whose element ``d`` is ±inf or NaN, -1 if none."""
+    bh = tl.program_id(0).to(tl.int64)
+    base = X + bh // H * stride_b + bh % H * stride_h
+    offs_d = tl.arange(0, BLOCK_D)
+    last = tl.full([BLOCK_D], -1, dtype=tl.int32)
+    for start in range(0, N, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        x = _load_rows(base, rows, N, stride_n, stride_d, HEAD_DIM, BLOCK_D).to(tl.float32)
+        last = tl.maximum(last, tl.max(tl.where(tl.abs(x) < float("inf"), -1, rows[:, None]), 0))
+    tl.store(LAST + bh * HEAD_DIM + offs_d, last, mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
 def _attn_fwd_blocks(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, qk_scale, shift, Skv,
@@ -107,8 +140,10 @@ def _attn_fwd_blocks(
             m_new = tl.maximum(m_i, tl.max(s, 1))
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        # a row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # m is subtracted only where finite: a row that has seen no key yet keeps m = -inf (exp2(-inf)
+        # = 0, not NaN), one that met a +inf score gets m = +inf and l = +inf (lse = +inf as the
+        # reference's logsumexp; o = acc / l is NaN as the reference's exp(inf - inf))
+        m_sub = tl.where(tl.abs(m_new) < float("inf"), m_new, 0.0)
         if MASK:
             p = tl.exp2(s - m_sub[:, None])
         else:
@@ -125,12 +160,14 @@ def _attn_fwd_blocks(
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, OUT, LSE,  # OUT contiguous [B, Hq, Sq, D], LSE contiguous [B, Hq, Sq]
+    LAST,  # with HIDDEN_KEYS: `_last_nonfinite_kernel` of V, int32 [B, Hkv, D]
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     Hq, GROUP, Sq, Skv,  # GROUP = Hq // Hkv query heads share one kv head
     qk_scale,  # scale · log2(e): the softmax runs in base 2
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HIDDEN_KEYS: tl.constexpr,  # causal with Sq > 1: some keys are hidden from some queries
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -161,11 +198,17 @@ def _attn_fwd_kernel(
                                      stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
                                      True, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
 
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
+    # l = 0: the row saw no key (m = -inf: lse = -inf, o = acc = 0); l NaN: a NaN score (lse, o NaN)
+    lse = (m_i + tl.log2(l_i)) / LOG2E
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if HIDDEN_KEYS:
+        # the reference's p · v meets the keys hidden from a query with p = 0: an inf or NaN there
+        # makes its column NaN (0 · inf); the blocks past `hi` are never loaded, so LAST tells
+        offs_d = tl.arange(0, BLOCK_D)
+        last = tl.load(LAST + (b * (Hq // GROUP) + hk) * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=-1)
+        o = tl.where(last[None, :] > tl.maximum(offs_m + shift, -1)[:, None], float("nan"), o)
     tl.store(LSE + bh * Sq + offs_m, lse, mask=offs_m < Sq)
-    _store_rows(OUT + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, acc / l_safe[:, None], HEAD_DIM, BLOCK_D)
+    _store_rows(OUT + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, o, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -388,11 +431,20 @@ def attention_fwd(
     if o.numel() == 0:
         return o, lse
     block_d, t = _tiles(D, q.dtype, tiles, backward=False)
+    # with a causal mask and more than one query, some keys are hidden from some queries
+    last = torch.empty((B, Hkv, D), dtype=torch.int32, device=q.device) if causal and Sq > 1 else None
+    if last is not None:
+        if Skv > 0:
+            _last_nonfinite_kernel[(B * Hkv,)](v, last, *v.stride(), Hkv, Skv, HEAD_DIM=D, BLOCK_N=t.block_n,
+                                               BLOCK_D=block_d, num_warps=t.num_warps)
+        else:
+            last.fill_(-1)
     _attn_fwd_kernel[(cdiv(Sq, t.block_m), B * Hq)](
-        q, k, v, o, lse,
+        q, k, v, o, lse, last,
         *q.stride(), *k.stride(), *v.stride(),
         Hq, Hq // Hkv, Sq, Skv, scale * _LOG2E,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d,
+        CAUSAL=causal, HEAD_DIM=D, HIDDEN_KEYS=last is not None,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d,
         DOT_FP32=DOT_FP32, PRECISION=dot_precision(q.dtype, fp32_precision),
         num_warps=t.num_warps, num_stages=t.num_stages, **t.options,
     )
