@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import types
 
+import torch
+
 from kpt_triton.backend import TritonBackend
 
 from . import attention, cross_entropy, device, linear, moe, tuning
@@ -41,3 +43,12 @@ class CudaBackend(TritonBackend):
 
     def device_facts(self) -> dict[str, str]:
         return device.facts()
+
+    def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
+        """The base's, but attention on Hopper takes no inf or NaN: there NVIDIA's fused kernels
+        (`kpt_cuda.attention`) run it, whose results for such inputs (what a NaN score or an inf
+        value hidden by the causal mask gives) have not been checked against the contract's."""
+        values = super().special_values(kernel, dtype)
+        if kernel == "attention" and attention in self.native_modules():
+            values = tuple(v for v in values if v not in ("inf", "nan"))
+        return values
