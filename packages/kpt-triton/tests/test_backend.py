@@ -108,10 +108,26 @@ def test_torch_products_replace_the_triton_gemms(monkeypatch):
     monkeypatch.setattr(Acme, "torch_products", True)
     kernels = Acme().kernels()
     assert kernels["linear"].forward.body is products.linear_fwd
-    assert kernels["linear"].backward.body is linear.linear_bwd
+    assert kernels["linear"].backward.body is products.linear_bwd
     assert kernels["grouped_linear"].forward.body is products.grouped_linear_fwd
     assert kernels["grouped_linear"].backward.body is products.grouped_linear_bwd
     assert kernels["rms_norm"].forward.body.__module__ == "kpt_triton.rms_norm"
+
+
+def test_eager_torch_products_linear_is_differentiated_by_torch(monkeypatch, interpreted):
+    """The products' linear is torch operations only (`kpt.torch_autograd`): an eager call that
+    needs gradients is differentiated by torch's autograd, with `products.linear_bwd`'s gradients."""
+    monkeypatch.setattr(Acme, "torch_products", True)
+    monkeypatch.setattr(Acme, "status", (True, ""))
+    g = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*s, generator=g).requires_grad_() for s in ((3, 8), (6, 8), (6,)))
+    y = Acme().linear(x, w, b, activation="silu")
+    assert type(y.grad_fn).__name__ == "SiluBackward0"  # not a kpt autograd function
+    dy = torch.randn(3, 6, generator=g)
+    _, pre = products.linear_fwd(x.detach(), w.detach(), b.detach(), "silu")
+    expected = products.linear_bwd(x.detach(), w.detach(), b.detach(), "silu", None, pre, dy)
+    for got, want in zip(torch.autograd.grad(y, (x, w, b), dy), expected):
+        torch.testing.assert_close(got, want)
 
 
 def test_native_bodies_replace_portable_ones_on_the_device_only(monkeypatch):

@@ -1,6 +1,6 @@
-"""The torch products (`kpt_triton.products`): linear through torch.addmm with the Triton activation
-as its epilogue, grouped_linear through torch._grouped_mm (bfloat16, aligned rows) or a loop of
-torch.mm, each against its spec's float64 reference; bad offsets as the contract reads them."""
+"""The torch products (`kpt_triton.products`): linear through torch.addmm then torch's activation,
+grouped_linear through torch._grouped_mm (bfloat16, aligned rows) or a loop of torch.mm, each
+against its spec's float64 reference; bad offsets as the contract reads them."""
 
 from __future__ import annotations
 

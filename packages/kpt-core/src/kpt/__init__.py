@@ -17,7 +17,7 @@ from .backend import CONTRACT_VERSION, SPECIAL_VALUES, Backend, PerfBar, describ
 from .errors import BackendError, KernelInputError, KernelNotSupportedError
 from .hookspecs import hookimpl
 from .kernels import SPECS
-from .ops import Kernel
+from .ops import Kernel, torch_autograd
 from .overview import info, list_kernels
 from .patch import AutoModelForCausalLM, PatchSummary, patch, unpatch
 from .registry import (
@@ -40,5 +40,6 @@ __all__ = [
     "BackendInfo", "BackendList", "BadInput", "BadValues", "Case", "Kernel", "KernelInputError",
     "KernelNotSupportedError", "KernelSpec", "PatchSummary", "PerfBar", "Registry", "Tolerance", "backend_for",
     "checked_values", "default_tolerance", "describe_missing", "get_backend", "hookimpl", "info", "kernels_from",
-    "list_backends", "list_kernels", "missing_kernels", "nn", "patch", "reload_backends", "unpatch", "use_backend",
+    "list_backends", "list_kernels", "missing_kernels", "nn", "patch", "reload_backends", "torch_autograd", "unpatch",
+    "use_backend",
 ]

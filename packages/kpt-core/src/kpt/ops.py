@@ -11,7 +11,9 @@ For every kernel, core registers two ``torch.library`` custom ops in the backend
 Dispatching a custom op costs tens of microseconds of Python per call, which a small kernel
 feels, so eager calls take a shorter road with the same bodies and the same autograd logic
 (`eager_functions`: a ``torch.autograd.Function`` per kernel); the ops are what
-``torch.compile`` traces.
+``torch.compile`` traces. A forward body made only of differentiable torch operations (a vendor
+library's product then torch's activation) can say so with `torch_autograd`: eager calls then run
+it as it is and torch's own autograd differentiates it, with no Python in the backward.
 """
 
 from __future__ import annotations
@@ -187,10 +189,22 @@ def _autograd(spec: KernelSpec, run_backward: Callable[..., Any], overwrites: bo
     return setup_context, backward
 
 
+def torch_autograd(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a forward body as made only of differentiable torch operations, so that torch's
+    autograd can differentiate its first results (the kernel's outputs) itself.
+
+    Eager calls that need gradients then run the body directly, whose backward is torch's (in C++:
+    the per-call host cost of an eager torch expression); traced and compiled calls keep the
+    custom op and the kernel's ``_bwd`` body, which must compute the same gradients."""
+    forward.torch_autograd = True  # type: ignore[attr-defined]
+    return forward
+
+
 def eager_functions(kernels: Mapping[str, Kernel]) -> dict[str, Callable[..., Any]]:
     """``Function.apply`` of every differentiable kernel: the same bodies and autograd as the ops,
-    without the custom-op dispatch."""
-    return {name: _function(spec, kernels[name]) for name, spec in SPECS.items() if spec.differentiable}
+    without the custom-op dispatch; a `torch_autograd` forward body itself."""
+    return {name: kernels[name].forward if getattr(kernels[name].forward, "torch_autograd", False)
+            else _function(spec, kernels[name]) for name, spec in SPECS.items() if spec.differentiable}
 
 
 def _function(spec: KernelSpec, kernel: Kernel) -> Callable[..., Any]:

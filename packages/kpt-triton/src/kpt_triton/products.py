@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kpt.kernels.moe import expert_bounds
+from kpt.ops import torch_autograd
 from kpt.spec import rows
 
 from .tiling import cdiv
@@ -53,10 +54,13 @@ ACTIVATION_GRADS = {
 """``dy ⊙ act'(pre)`` by torch's pointwise kernels (float32 math for 16-bit tensors)."""
 
 
+@torch_autograd
 def linear_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(y, pre)`` as `kpt_triton.linear.linear_fwd` does."""
+    """Returns ``(y, pre)`` as `kpt_triton.linear.linear_fwd` does. Torch operations only: an eager
+    call that needs gradients is differentiated by torch's autograd (`kpt.torch_autograd`), the
+    per-call host cost of ``F.linear`` and the activation; `linear_bwd` serves compiled calls."""
     x2 = rows(x)
     pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias.to(x.dtype), x2, weight.t())
     pre = pre.reshape(*x.shape[:-1], weight.shape[0])
