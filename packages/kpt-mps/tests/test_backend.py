@@ -10,6 +10,7 @@ from kpt_mps import device, metal, plugin
 from kpt_mps.families import FAMILIES
 
 import kpt
+from kpt.testing import compare
 
 
 def test_plugin_returns_one_backend():
@@ -96,3 +97,44 @@ def test_attention_scores_overflowing_float32_give_the_float32_softmax(emulated)
         ref = kpt.get_backend("reference").attention(q, k, v, causal=causal)
         assert ref.isnan().any()
         torch.testing.assert_close(o, ref, equal_nan=True)
+
+
+# (input, row, value, causal) for q [1, 2, 70, 32] and k, v [1, 1, 60, 32] (causal: queries 0..9 see
+# no key): a NaN or ±inf score in a row; a key hidden from the first queries, in a key block that
+# the forward loads for some of them (masked) and never loads for the others, with NaN in k (masked
+# away) or inf or NaN in v (the reference's p · v gives 0 · inf = NaN in that column for every query
+# the key is hidden from, those that see no key included)
+ATTENTION_SPECIALS = {
+    "nan_query": ("q", 30, float("nan"), False),
+    "inf_key": ("k", 3, float("inf"), False),
+    "neg_inf_key_causal": ("k", 40, float("-inf"), True),
+    "hidden_nan_key": ("k", 55, float("nan"), True),
+    "hidden_inf_value": ("v", 55, float("inf"), True),
+    "hidden_nan_value": ("v", 50, float("nan"), True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ATTENTION_SPECIALS.values(), ids=ATTENTION_SPECIALS.keys())
+def test_attention_forward_special_values_match_the_reference(emulated, case, dtype):
+    """o and lse carry inf and NaN exactly where the float64 reference does (`kpt.kernels`), and
+    their finite values are within the default tolerance."""
+    from kpt_mps.attention import attention_fwd
+
+    name, row, value, causal = case
+    g = torch.Generator().manual_seed(13)
+    a = {"q": torch.randn(1, 2, 70, 32, generator=g), "k": torch.randn(1, 1, 60, 32, generator=g),
+         "v": torch.randn(1, 1, 60, 32, generator=g)}
+    a = {n: t.to(dtype) for n, t in a.items()}
+    a[name][0, 0, row, 5] = value
+    scale = 32**-0.5
+    o, lse = attention_fwd(a["q"], a["k"], a["v"], causal, scale)
+    o64, lse64 = kpt.SPECS["attention"].forward(*(t.double() for t in a.values()), causal, scale)
+    assert o64.isnan().any() or lse64.isinf().any() or lse64.isnan().any()  # the case holds a special value
+    for out, ref, what in ((o, o64, "o"), (lse, lse64, "lse")):
+        out = out.double()
+        assert torch.equal(out.isnan(), ref.isnan()), f"{what}: NaN at other places than the reference's"
+        assert torch.equal(out.isinf(), ref.isinf()), f"{what}: inf at other places than the reference's"
+        assert torch.equal(out[ref.isinf()], ref[ref.isinf()]), f"{what}: infinities of other signs"
+        check = compare(what, out[ref.isfinite()], ref[ref.isfinite()], kpt.default_tolerance(dtype))
+        assert check.ok, check.message

@@ -1,5 +1,6 @@
 """Attention bodies (``shaders/attention.metal``), tiled with 8×8 simdgroup_matrix products: the
-forward (one simdgroup per block of 8 queries, an online softmax) with its log-sum-exp, then the
+forward (one simdgroup per block of 8 queries, an online softmax; with a causal mask after a pass
+over v that finds the inf and NaN values of the keys it hides) with its log-sum-exp, then the
 backward in two dispatches, each recomputing the probabilities from the log-sum-exp: dq (one
 simdgroup per block of 8 queries; it also writes the row statistic delta = rowsum(dO ⊙ O)), then dk
 and dv (one simdgroup per block of 8 keys, over the queries of every head of its key/value head's
@@ -24,11 +25,23 @@ def _simdgroups(*shape):
     return b * h * -(-s // 8) * 32
 
 
+def _last_nonfinite(v):
+    """int32 ``[B, Hkv, D]``: per column of each head of ``v``, the last row holding ±inf or NaN (-1 if none)."""
+    b, h, s, d = v.shape
+    last = torch.empty((b, h, d), dtype=torch.int32, device=v.device)
+    params = metal.ints(b * h * d, s, d, metal.code(v), like=v)
+    metal.elements("attention", "attention_last_nonfinite", [v, last, params], last.numel())
+    return last
+
+
 def attention_fwd(q, k, v, causal, scale):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    metal.launch("attention", "attention_fwd", [q, k, v, o, lse, *_params(q, k, causal, scale)],
+    # with a causal mask some keys are hidden from some queries, and the forward never loads them:
+    # where their v holds inf or NaN the reference's p · v gives NaN (0 · inf), so the kernel is told
+    last = _last_nonfinite(v) if causal and q.shape[2] > 1 else metal.buffer(None, like=q)
+    metal.launch("attention", "attention_fwd", [q, k, v, last, o, lse, *_params(q, k, causal, scale)],
                  _simdgroups(*q.shape[:3]), 32)
     return o, lse
 

@@ -43,16 +43,6 @@ class MpsBackend(kpt.Backend):
             return "bfloat16 on MPS needs macOS 14 or newer"
         return None
 
-    def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
-        """All of them but one documented limitation, found by the conformance fuzzing and not yet
-        fixed: attention takes no infinite or NaN input. The reference's dense p · v carries a
-        NaN or infinite value of v into its whole column of o through 0 · v, also for the queries
-        that the causal mask hides that key from and for those that see no key; the tiled kernel
-        never reads a key block that no query of its block sees. ±max inputs are met: a score
-        that overflows float32 gives what the reference's float32 softmax gives (NaN)."""
-        left_out = ("inf", "nan") if kernel == "attention" else ()
-        return tuple(s for s in kpt.SPECIAL_VALUES if s not in left_out)
-
     @property
     def simulator(self) -> bool:  # type: ignore[override]
         return metal.emulated()

@@ -3,20 +3,49 @@
 // threadgroup; the forward with an online softmax, the backward from the forward's log-sum-exp.
 // q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], query head h reads key/value head h / (Hq / Hkv);
 // query i sees keys j <= i + Skv − Sq (causal). A query that sees no key gives o = 0, lse = −∞.
+//
+// Special values in the forward give what the reference's dense math gives: a NaN score makes its
+// row's o and lse NaN; a +∞ score gives lse = +∞ and o = NaN (exp(∞ − ∞)); a key hidden by the
+// causal mask never enters a score, but the reference's p·v still multiplies its v row by p = 0, so
+// an ∞ or NaN there makes that column of o NaN for every query it is hidden from (those that see no
+// key included). The forward never loads the key blocks past its queries' diagonal, so with a causal
+// mask and more than one query, attention_last_nonfinite first records per column of v the last row
+// holding an ∞ or NaN, and the forward's epilogue applies it.
 
 constant int MAX_HEAD_DIM = 256;
+
+// For each (batch, key/value head, column c) of v [B, Hkv, Skv, D]: the last row j whose v[j, c] is
+// ±∞ or NaN, −1 if none (one thread per column, reading the rows from the end; a grid-stride loop).
+// ip: B·Hkv·D, Skv, D, dtype code
+kernel void attention_last_nonfinite(device const uchar* v [[buffer(0)]], device int* last [[buffer(1)]],
+                                     constant long* ip [[buffer(2)]], uint tid [[thread_position_in_grid]],
+                                     uint threads [[threads_per_grid]]) {
+  long n = ip[0], skv = ip[1], d = ip[2];
+  int xc = int(ip[3]);
+  for (long e = tid; e < n; e += threads) {
+    long base = e / d * skv * d + e % d;
+    int found = -1;
+    for (long j = skv - 1; j >= 0 && found < 0; --j) {
+      if (!isfinite(load(v, base + j * d, xc))) found = int(j);
+    }
+    last[e] = found;
+  }
+}
 
 // The forward: one simdgroup (32 threads) per block of 8 queries of one (batch, head). Over key
 // blocks of 8: S = Q·Kᵀ as 8×8 simdgroup_matrix products over the head dimension (padded to a
 // multiple of 8 with zeros), the online softmax on the score tile (a lane per query row), then
 // O = O·correction + P·V, again by 8×8 products. Threadgroup memory: Q, the K then V tile, O
-// (3 × 8 × 256 floats = 24 KB) and the score tile.
+// (3 × 8 × 256 floats = 24 KB) and the score tile. The running max is subtracted only where it is
+// finite: a row that has seen no key keeps m = −∞ (exp(−∞) = 0, not NaN), one that met a +∞ score
+// gets m = +∞ and l = +∞ (lse = +∞; o = P·V / l is NaN, as the reference's exp(∞ − ∞)).
+// last_nonfinite: attention_last_nonfinite of v, [B, Hkv, D], read only when causal with Sq > 1.
 // ip: B, Hq, Hkv, Sq, Skv, D, causal, dtype code; fp: scale
 kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const uchar* k [[buffer(1)]],
-                          device const uchar* v [[buffer(2)]], device uchar* o [[buffer(3)]],
-                          device float* lse [[buffer(4)]], constant long* ip [[buffer(5)]],
-                          constant float* fp [[buffer(6)]], uint blk [[threadgroup_position_in_grid]],
-                          uint lane [[thread_index_in_simdgroup]]) {
+                          device const uchar* v [[buffer(2)]], device const int* last_nonfinite [[buffer(3)]],
+                          device uchar* o [[buffer(4)]], device float* lse [[buffer(5)]],
+                          constant long* ip [[buffer(6)]], constant float* fp [[buffer(7)]],
+                          uint blk [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float qs[8 * MAX_HEAD_DIM];
   threadgroup float kvs[8 * MAX_HEAD_DIM];
   threadgroup float os[8 * MAX_HEAD_DIM];
@@ -28,7 +57,7 @@ kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const ucha
   float scale = fp[0];
   long dp = (d + 7) / 8 * 8, blocks = (sq + 7) / 8;
   long i0 = long(blk) % blocks * 8, bh = long(blk) / blocks, h = bh % hq, b = bh / hq;
-  long qbase = bh * sq * d, kv = (b * hkv + h / (hq / hkv)) * skv * d;
+  long g = b * hkv + h / (hq / hkv), qbase = bh * sq * d, kv = g * skv * d;
   for (long e = lane; e < 8 * dp; e += 32) {
     long r = e / dp, c = e % dp;
     qs[e] = (i0 + r < sq && c < d) ? load(q, qbase + (i0 + r) * d + c, xc) : 0.0f;
@@ -65,11 +94,12 @@ kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const ucha
         sv[j] = (i < sq && j0 + j <= last && j0 + j < skv) ? sc * scale : -INFINITY;
         block_max = max(block_max, sv[j]);
       }
-      float m_new = max(m, block_max);
-      float correction = m_new == -INFINITY ? 1.0f : precise::exp(m - m_new);
+      float m_new = max(m, block_max);  // max drops NaN scores: their p below is NaN
+      float m_sub = isfinite(m_new) ? m_new : 0.0f;
+      float correction = precise::exp(m - m_sub);
       float sum = 0.0f;
       for (int j = 0; j < 8; ++j) {
-        float p = sv[j] == -INFINITY ? 0.0f : precise::exp(sv[j] - m_new);
+        float p = precise::exp(sv[j] - m_sub);
         ss[lane * 8 + j] = p;
         sum += p;
       }
@@ -92,18 +122,26 @@ kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const ucha
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  // l = 0: the query saw no key (o = 0, lse = −∞); a NaN l (a NaN score, or +∞ − +∞ after an
-  // overflowing score) stays NaN in o and lse, as in the reference's softmax
+  // l = 0: the query saw no key (m = −∞: lse = −∞, o = P·V = 0 unless an ∞ or NaN of v met p = 0);
+  // a NaN l (a NaN score, or ∞ − ∞ after an overflowing score) makes o and lse NaN, as in the
+  // reference's softmax. With the causal mask the reference's p·v meets the keys hidden from query
+  // i with p = 0: an ∞ or NaN in a v row past i + Skv − Sq makes its column NaN (last_nonfinite).
+  bool hidden_keys = causal && sq > 1;
   for (long e = lane; e < 8 * dp; e += 32) {
-    long r = e / dp, c = e % dp;
-    if (i0 + r < sq && c < d) {
+    long r = e / dp, c = e % dp, i = i0 + r;
+    if (i < sq && c < d) {
       float l = stat[8 + r];
-      store(o, qbase + (i0 + r) * d + c, xc, l != 0.0f ? float(os[e]) / l : 0.0f);
+      float out = float(os[e]) / (l == 0.0f ? 1.0f : l);
+      if (hidden_keys) {
+        long j = last_nonfinite[g * d + c];
+        if (j >= 0 && j > i + skv - sq) out = NAN;
+      }
+      store(o, qbase + i * d + c, xc, out);
     }
   }
   if (lane < 8 && i0 + lane < sq) {
-    float l = stat[8 + lane];
-    lse[bh * sq + i0 + lane] = l != 0.0f ? float(stat[lane]) + precise::log(l) : -INFINITY;
+    float m = stat[lane], l = stat[8 + lane];
+    lse[bh * sq + i0 + lane] = m + precise::log(l);
   }
 }
 
