@@ -250,3 +250,17 @@ def test_layers_run_on_the_backend_of_their_device_and_use_backend_pins_one(
     monkeypatch.setenv("KPT_BACKEND", "nope")
     with pytest.raises(kpt.BackendError, match="KPT_BACKEND"):
         norm(torch.randn(2, 16))
+
+
+def test_layers_compile_in_one_graph() -> None:
+    """Once a device's backend is resolved (an eager call, or `kpt.patch`), kpt.nn layers trace
+    under ``torch.compile(fullgraph=True)``, forward and backward, with the eager gradients."""
+    torch.manual_seed(2)
+    block = torch.nn.Sequential(kpt.nn.RMSNorm(64), kpt.nn.GatedMLP(64, 96))
+    attention = kpt.nn.Attention(64, num_heads=4, num_kv_heads=2)
+    for layer in (block, attention):
+        x = torch.randn(2, 6, 64, requires_grad=True)
+        eager = grads(layer(x), x)[0]
+        torch._dynamo.reset()
+        compiled = grads(torch.compile(layer, fullgraph=True)(x), x)[0]
+        close(compiled, eager)

@@ -34,9 +34,20 @@ ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 """A gated MLP's activation -> the kpt kernel that fuses it with the product by ``up``."""
 
 
+_RESOLVED: dict[str, Backend] = {}
+"""The backend each device last resolved to in an eager call: what a traced call reads."""
+
+
 def backend(t: Tensor) -> Backend:
-    """The backend for ``t``'s device (`kpt.backend_for`)."""
-    return backend_for(t.device)
+    """The backend for ``t``'s device (`kpt.backend_for`). Under ``torch.compile`` the one that
+    device's last eager call resolved (the compiler cannot trace the lookup: `use_backend`'s
+    context variable, the registry's lock), so a model run once, or patched by `kpt.patch`,
+    compiles with ``fullgraph=True``."""
+    key = str(t.device)
+    if torch.compiler.is_compiling() and key in _RESOLVED:
+        return _RESOLVED[key]
+    found = _RESOLVED[key] = backend_for(t.device)
+    return found
 
 
 class RMSNorm(nn.Module):
@@ -93,8 +104,8 @@ class GatedMLP(nn.Module):
     product is a ``[tokens, intermediate]`` tensor in every layer, so the activations held for the
     backward shrink by about a sixth of a Llama block's, for one elementwise pass per layer. It
     applies where ``down_proj`` is a plain ``nn.Linear`` (no hooks, no replaced ``forward``, as an
-    adapter or an offloading wrapper would set); otherwise, and without gradients, the layer calls
-    ``down_proj`` as it is.
+    adapter or an offloading wrapper would set); otherwise, without gradients, and under
+    ``torch.compile`` (whose partitioner chooses what to keep), the layer calls ``down_proj`` as it is.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
@@ -123,7 +134,7 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         kernel = getattr(backend(gate), ACTIVATIONS[self.activation])
         down = self.down_proj
-        if self.recompute and torch.is_grad_enabled() and _plain_linear(down):
+        if self.recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and _plain_linear(down):
             return _RecomputedProduct.apply(gate, up, down.weight, down.bias, kernel)
         return down(kernel(gate, up))
 
@@ -143,8 +154,9 @@ def project_heads(o_proj: nn.Module, out: Tensor) -> Tensor:
 
     That layout is a copy of ``out``, which the attention already keeps for its backward: under
     autograd, a plain ``nn.Linear`` keeps ``out`` only and the backward copies it again, so a layer
-    holds one ``[B, S, H·D]`` activation less. Otherwise ``o_proj`` is called as it is."""
-    if torch.is_grad_enabled() and _plain_linear(o_proj):
+    holds one ``[B, S, H·D]`` activation less. Otherwise, and under ``torch.compile``, ``o_proj``
+    is called as it is."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and _plain_linear(o_proj):
         return _HeadsProjection.apply(out, o_proj.weight, o_proj.bias)
     b, _, s, _ = out.shape
     return o_proj(out.transpose(1, 2).reshape(b, s, -1))

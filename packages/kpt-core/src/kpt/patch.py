@@ -289,6 +289,9 @@ def patch(model: Any, *, attention: bool = True, loss: bool = True) -> PatchSumm
         raise
     model._kpt_undo = undo
     model.kpt_summary = plan.summary
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type != "meta":
+        knn.backend(first)  # resolved now, for a torch.compile of the model (`kpt.nn.backend`)
     return plan.summary
 
 
