@@ -153,7 +153,10 @@ def _cases() -> list[Case]:
         # a tied embedding's weight is often the transpose of a [K, N] buffer
         case("transposed", x=(48, 128), n=96, activation="gelu_tanh", layout=transposed),
         case("zero_rows", x=(0, 64), n=32, bias=True, activation="gelu"),
-        case("zero_k", x=(4, 0), n=8, bias=True, activation="relu"),
+        # with K = 0, dbias is the sum of dy over four rows, which may cancel: the 16-bit rounding of
+        # dy then errs beyond the table relative to that sum (float16 reference: relative error
+        # 5.7e-3 at seed 436440843): ill-conditioned
+        case("zero_k", x=(4, 0), n=8, bias=True, activation="relu", eager_factor=2.0),
         case("zero_n", x=(4, 64), n=0, activation="silu"),
         # pre-activations in the hundreds: exp-based silu/tanh must neither overflow nor give inf/inf
         case("huge_silu", x=(8, 256), n=64, activation="silu", scale=300.0),
