@@ -144,6 +144,14 @@ def linear_fwd(
     return y, pre
 
 
+def zero_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear's ``(dx, dweight, dbias)`` without an output gradient: zeros (``dbias`` empty without a bias)."""
+    return (torch.zeros(x.shape, dtype=x.dtype, device=x.device),
+            torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device),
+            x.new_empty(0) if bias is None else torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device))
+
+
 def linear_bwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
     y: torch.Tensor, pre: torch.Tensor, dy: torch.Tensor | None,
@@ -155,9 +163,7 @@ def linear_bwd(
     """
     N, K = weight.shape
     if dy is None:
-        return (torch.zeros(x.shape, dtype=x.dtype, device=x.device),
-                torch.zeros((N, K), dtype=weight.dtype, device=weight.device),
-                x.new_empty(0) if bias is None else torch.zeros(N, dtype=bias.dtype, device=bias.device))
+        return zero_grads(x, weight, bias)
     x2, dy2 = rows(x), rows(dy)
     M = x2.shape[0]
     dpre = dy2

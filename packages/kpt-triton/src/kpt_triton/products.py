@@ -33,6 +33,7 @@ from kpt.kernels.moe import expert_bounds
 from kpt.ops import torch_autograd
 from kpt.spec import rows
 
+from .linear import zero_grads
 from .tiling import cdiv
 
 ACTIVATIONS = {
@@ -74,11 +75,8 @@ def linear_bwd(
     y: torch.Tensor, pre: torch.Tensor, dy: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dx, dweight, dbias)`` as `kpt_triton.linear.linear_bwd` does."""
-    N, K = weight.shape
     if dy is None:
-        return (torch.zeros(x.shape, dtype=x.dtype, device=x.device),
-                torch.zeros((N, K), dtype=weight.dtype, device=weight.device),
-                x.new_empty(0) if bias is None else torch.zeros(N, dtype=bias.dtype, device=bias.device))
+        return zero_grads(x, weight, bias)
     x2, dpre = rows(x), rows(dy)
     if activation is not None:
         dpre = ACTIVATION_GRADS[activation](dpre, rows(pre))
