@@ -158,9 +158,11 @@ def _cases() -> list[Case]:
         # 5.7e-3 at seed 436440843): ill-conditioned
         case("zero_k", x=(4, 0), n=8, bias=True, activation="relu", eager_factor=2.0),
         case("zero_n", x=(4, 64), n=0, activation="silu"),
-        # pre-activations in the hundreds: exp-based silu/tanh must neither overflow nor give inf/inf
-        case("huge_silu", x=(8, 256), n=64, activation="silu", scale=300.0),
-        case("huge_gelu_tanh", x=(8, 256), n=64, activation="gelu_tanh", scale=300.0),
+        # pre-activations in the hundreds: exp-based silu/tanh must neither overflow nor give inf/inf.
+        # The rounding of a pre-activation that large moves act' by up to act''·|x||w|·eps where it
+        # bends, so dweight errs beyond the table (float32 reference: 1.08x at seed 6): ill-conditioned
+        case("huge_silu", x=(8, 256), n=64, activation="silu", scale=300.0, eager_factor=2.0),
+        case("huge_gelu_tanh", x=(8, 256), n=64, activation="gelu_tanh", scale=300.0, eager_factor=2.0),
         case("tiny", x=(8, 256), n=64, activation="gelu", scale=1e-4),
         case("perf", x=(8192, 8192), n=8192, perf=True),
     ]
