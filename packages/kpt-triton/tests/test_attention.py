@@ -165,3 +165,31 @@ def test_forward_special_values_match_the_reference(dtype, case):
         assert torch.equal(out.isinf(), ref.isinf()) and bool((out[ref.isinf()] == ref[ref.isinf()]).all())
         finite = ref.isfinite()
         assert_close(out[finite], ref[finite], dtype, what)
+
+
+# a key with ±inf whose every visible score is −inf (p = 0): the reference's gradients stay finite;
+# the query rows padding the last query block (q = 0) must not meet it as 0 · inf = NaN
+HIDDEN_INF_KEYS = {
+    "causal": (True, float("inf")),  # key 5 seen by query 3 only, whose score with it is −inf
+    "full": (False, float("-inf")),  # key 5's score is −inf for every query
+}
+
+
+@pytest.mark.parametrize("case", HIDDEN_INF_KEYS.values(), ids=HIDDEN_INF_KEYS.keys())
+def test_backward_special_key_with_zero_weight_stays_finite(case):
+    causal, value = case
+    g = torch.Generator().manual_seed(21)
+    a = _args(g, torch.float32, 1, 1, 1, 4, 6, 16, causal)
+    a["k"][0, 0, 5, 2] = value
+    a["q"][0, 0, :, 2] = 1.0 if value < 0 else -1.0  # every score with key 5 is −inf
+    a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v for n, v in a.items()}
+    o, lse = k.attention_fwd(*a.values(), **_all_dims(16, 16))
+    do = randn(g, *o.shape, dtype=o.dtype).to(o.device)
+    got = k.attention_bwd(*a.values(), o, lse, do, **_all_dims(16, 16))
+    leaves = {n: to64(a[n]).requires_grad_(True) for n in ("q", "k", "v")}
+    ref = kpt.get_backend("reference").attention(**leaves, causal=causal, scale=a["scale"])
+    expected = torch.autograd.grad(ref, list(leaves.values()), to64(do))
+    for name, grad, e in zip(("dq", "dk", "dv"), got, expected):
+        grad = grad.cpu().double()
+        assert torch.equal(grad.isnan(), e.isnan()), f"{name}: NaN at other places than the reference's"
+        assert_close(grad[e.isfinite()], e[e.isfinite()], torch.float32, name)

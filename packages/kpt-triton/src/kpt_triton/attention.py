@@ -236,8 +236,8 @@ def _attn_bwd_dkdv_blocks(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Queries past Sq load as zeros (q = do = 0, δ = 0) and keys past Skv are never stored, so
-    # neither needs a mask: their terms vanish or land in rows that are dropped.
+    # Queries past Sq load as zeros (q = do = 0, δ = 0) and keys past Skv are never stored; a
+    # query past Sq still gets p = 0, since a key with an inf would give it a NaN score (inf · 0).
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_rows(q_base, offs_m, Sq, stride_qm, stride_qd, HEAD_DIM, BLOCK_D)
@@ -248,7 +248,9 @@ def _attn_bwd_dkdv_blocks(
         delta = tl.load(delta_base + offs_m, mask=offs_m < Sq, other=0.0)
         pt = tl.exp2(dot(k, tl.trans(q), None, DOT_FP32, PRECISION) * qk_scale - lse[None, :])
         if MASK:
-            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + shift, pt, 0.0)
+            pt = tl.where((offs_n[:, None] <= offs_m[None, :] + shift) & (offs_m < Sq)[None, :], pt, 0.0)
+        else:
+            pt = tl.where((offs_m < Sq)[None, :], pt, 0.0)
         dv = dot(pt.to(do.dtype), do, dv, DOT_FP32, PRECISION)
         dpt = dot(v, tl.trans(do), None, DOT_FP32, PRECISION)
         dk = dot((pt * (dpt - delta[None, :])).to(q.dtype), q, dk, DOT_FP32, PRECISION)
