@@ -2,7 +2,9 @@
 # Check kpt-cuda on a GPU machine that has torch and triton preinstalled and no network:
 # install the packages in place, then run the conformance suite (numerics, then speed),
 # the benchmark and a memory check of every kernel. Results go to the directory given ($1).
-#   bash scripts/gpu_check.sh reports/h100 [numerics] [perf] [bench] [memcheck]
+#   bash scripts/gpu_check.sh reports/h100 [numerics] [perf] [bench] [memcheck] [sanitizers]
+# (sanitizers: racecheck, synccheck and initcheck over every kernel, and racecheck over the
+# valid-call fuzzing; not run by default: the slowest stage)
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUTDIR [stages...]}; shift
 stages=${*:-numerics perf bench memcheck}
@@ -20,5 +22,11 @@ for stage in $stages; do
     bench) python3 -m kpt.benchmark --backend cuda --out "$out/bench" 2>&1 | tail -n 60 ;;
     memcheck) compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/every_kernel.py --backend cuda \
                 2>&1 | tail -n 30 | tee "$out/memcheck.txt" ;;
+    sanitizers) for tool in racecheck synccheck initcheck; do
+                  compute-sanitizer --tool "$tool" --print-limit 20 python3 scripts/every_kernel.py --backend cuda \
+                    2>&1 | tail -n 30 > "$out/$tool.txt"; tail -n 3 "$out/$tool.txt"
+                done
+                compute-sanitizer --tool racecheck --print-limit 20 kpt check --backend cuda --report "$out/fuzz" \
+                  -- -q -k test_fuzz_valid 2>&1 | tail -n 30 | tee "$out/racecheck-fuzz.txt" ;;
   esac
 done
