@@ -121,6 +121,25 @@ def test_grouped_linear_is_one_matmul_per_expert(counts: list[int]) -> None:
     torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("where", ["x_sorted", "weight"])
+def test_grouped_linear_gradients_are_per_expert_with_inf(where: str) -> None:
+    """An inf in one expert's rows or weight reaches that expert's gradients only, as in one
+    matmul per expert (not 0 · inf = NaN in the others')."""
+    g = _gen()
+    offsets = _offsets_of([3, 4])
+    x = torch.randn(7, 8, generator=g, dtype=torch.float64)
+    weight = torch.randn(2, 5, 8, generator=g, dtype=torch.float64)
+    {"x_sorted": x, "weight": weight[0]}[where][1, 2] = float("inf")
+    x.requires_grad_(True)
+    weight.requires_grad_(True)
+    y = REF.grouped_linear(x, offsets, weight)
+    dx, dweight = torch.autograd.grad(y, [x, weight], torch.ones_like(y))
+    assert not dx.isnan().any() and not dweight.isnan().any()
+    # expert 1 (rows 3..6) sees nothing of expert 0's inf
+    assert dx[3:].isfinite().all() and dweight[1].isfinite().all()
+    assert (dweight[0].isinf().any() if where == "x_sorted" else dx[:3].isinf().any())
+
+
 def test_grouped_linear_float32_accumulation_for_bfloat16() -> None:
     g = _gen()
     offsets = _offsets_of([30, 0, 34])

@@ -298,10 +298,13 @@ def grouped_linear_backward(
     bounds = expert_bounds(offsets, x.shape[0])
     dx = x.new_zeros(x.shape)
     dws = []
+    # selected, not multiplied by the row mask: an inf in another expert's rows or weight would
+    # reach this expert's gradients as 0 · inf = NaN
     for e in range(w.shape[0]):
-        ge = g * _expert_rows(bounds, x.shape[0], e)
-        dx = dx + ge @ w[e]
-        dws.append(ge.T @ x)
+        rows = _expert_rows(bounds, x.shape[0], e)
+        ge = torch.where(rows, g, 0.0)
+        dx = torch.where(rows, ge @ w[e], dx)
+        dws.append(ge.T @ torch.where(rows, x, 0.0))
     dw = torch.stack(dws) if dws else w.new_zeros(w.shape)
     return dx.to(x_sorted.dtype), dw.to(weight.dtype)
 
