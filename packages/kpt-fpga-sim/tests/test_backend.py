@@ -202,6 +202,26 @@ def test_attention_backward_holds_dp_of_a_long_head(fx) -> None:
     assert fx.last_report.direction == "backward" and "dp" not in fx.last_report.overflows
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_rows_of_infinite_scores_as_the_reference(be, causal) -> None:
+    # query 0 meets every key with a -inf score (it saw no key: o = 0), query 2 key 2 with +inf
+    # (lse = +inf, o NaN), the gradients' NaN at the reference's places
+    q, k, v = (torch.randn(1, 1, 3, 16) for _ in range(3))
+    k[0, 0, :, 3] = -1.0
+    q[0, 0, 0, 3] = float("inf")
+    k[0, 0, 2, 5] = float("inf")
+    q[0, 0, :, 5] = torch.tensor([-1.0, -1.0, 1.0])
+    reference = kpt.get_backend("reference")
+    results = []
+    for backend, dtype in ((be, torch.float32), (reference, torch.float64)):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        o = backend.attention(*leaves, causal=causal)
+        results.append((o, *torch.autograd.grad(o, leaves, torch.ones_like(o))))
+    assert torch.equal(results[0][0][0, 0, 0], torch.zeros(16))
+    for got, expected in zip(*results):
+        assert torch.equal(got.isnan(), expected.isnan())
+
+
 def test_overflows_are_counted_and_reported(fx) -> None:
     fx.clear_reports()
     y = fx.silu(torch.tensor([[1.0, 100.0, -100.0, 2.0]]))

@@ -48,13 +48,17 @@ def attention_fwd(q, k, v, causal, scale):
     if k.shape[2] == 0:
         return zeros(q), torch.full(q.shape[:3], -math.inf)
     _, _, vg, s, visible = _grouped(a, q, k, v, causal, scale)
-    seen = visible.any(-1)
-    m = a.where(seen, a.where(visible, s, a.lowest).amax(-1), a.const(0.0))
+    m = a.where(visible, s, a.lowest).amax(-1)
+    # every visible score -inf (an inf in q or k): the row saw no key, as in the reference
+    seen = visible.any(-1) & (m != -math.inf)
+    m = a.where(seen, m, a.const(0.0))
     # masked scores go to the bottom of the exp unit's domain, where it gives exactly 0
     e = a.exp(a.where(visible, s - m[..., None], a.lowest))
     total = e.sum(-1)
     o = a.cast((e @ vg) * a.recip(a.where(seen, total, a.const(1.0)))[..., None], "o")
     lse = a.out(a.cast(m + a.log(a.where(seen, total, a.const(1.0))), "lse", a.wide), torch.float32)
+    # a +inf score: lse = +inf (e holds inf - inf = NaN there), as torch.logsumexp gives
+    lse = torch.where(a.out(m, torch.float32) == math.inf, math.inf, lse)
     lse = torch.where(seen, lse, -math.inf).reshape(q.shape[:3])
     return a.out(o, q.dtype).reshape(q.shape), lse
 
@@ -64,7 +68,8 @@ def attention_bwd(q, k, v, causal, scale, o, lse, do):
     if k.shape[2] == 0:
         return tuple(zeros(t) for t in (q, k, v))
     qg, kg, vg, s, visible = _grouped(a, q, k, v, causal, scale)
-    lse_v = a.load(torch.where(torch.isfinite(lse), lse, 0.0).reshape(s.shape[:-1]), "lse", a.wide)
+    # a row that saw no key (lse = -inf) has no visible score; NaN and +inf rows keep their lse
+    lse_v = a.load(torch.where(lse == float("-inf"), 0.0, lse).reshape(s.shape[:-1]), "lse", a.wide)
     p = a.exp(a.where(visible, s - lse_v[..., None], a.lowest))
     dog = a.load(do, "do").reshape(qg.shape)
     summed = a.grown(qg.shape[2] * qg.shape[3])
