@@ -62,6 +62,33 @@ def test_all_ignored_gives_zero_never_nan(reduction: str) -> None:
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_an_ignored_row_adds_nothing_whatever_it_holds(value: float) -> None:
+    """Its gradient is 0, not 0 · NaN, and in linear_cross_entropy its hidden state reaches neither
+    dweight nor dbias (`kpt.kernels`, special values)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    logits[1, 2] = value
+    target = torch.tensor([0, -100, 4])
+    x = logits.requires_grad_(True)
+    (dlogits,) = torch.autograd.grad(REF.cross_entropy(x, target, reduction="sum"), [x])
+    assert dlogits[1].eq(0).all() and dlogits.isfinite().all()
+    hidden = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    hidden[1, 0] = value
+    leaves = [hidden.requires_grad_(True), torch.randn(5, 4, generator=g, dtype=torch.float64).requires_grad_(True),
+              torch.randn(5, generator=g, dtype=torch.float64).requires_grad_(True)]
+    loss = REF.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], reduction="mean")
+    dhidden, dweight, dbias = torch.autograd.grad(loss, leaves)
+    assert loss.isfinite() and dhidden[1].eq(0).all()
+    assert all(bool(t.isfinite().all()) for t in (dhidden, dweight, dbias))
+
+
+def test_a_nan_logit_beside_a_plus_inf_one_gives_nan() -> None:
+    logits = torch.tensor([[float("inf"), float("nan"), 0.0], [float("inf"), 0.0, 1.0]], dtype=torch.float64)
+    loss = REF.cross_entropy(logits, torch.tensor([2, 2]), reduction="none")
+    assert loss[0].isnan() and loss[1] == float("inf")
+
+
 def test_ignore_index_may_be_a_real_class() -> None:
     g = _gen()
     logits = torch.randn(40, 5, generator=g, dtype=torch.float64)

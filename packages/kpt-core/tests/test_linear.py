@@ -71,6 +71,15 @@ def test_relu_derivative_at_zero_is_zero_like_torch() -> None:
     torch.testing.assert_close(gw, ew, rtol=0, atol=0)
 
 
+def test_relu_derivative_at_nan_passes_the_gradient_like_torch() -> None:
+    x = torch.tensor([[float("nan"), 1.0], [2.0, -3.0]], dtype=torch.float64, requires_grad=True)
+    w = torch.eye(2, dtype=torch.float64, requires_grad=True)  # pre = x: one NaN, one negative
+    dy = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    (gx,) = torch.autograd.grad(REF.linear(x, w, activation="relu"), (x,), dy)
+    (ex,) = torch.autograd.grad(F.relu(F.linear(x, w)), (x,), dy)
+    torch.testing.assert_close(gx, ex, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_float32_bias_with_16_bit_activations(dtype: torch.dtype) -> None:
     x, w, _ = _inputs((8, 64), 16, bias=False, dtype=dtype)

@@ -268,9 +268,15 @@ def _eager_grads(spec: KernelSpec, args: Args, grad_names: Sequence[str],
 
 def loss_response(inputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> float:
     """The largest first-order change of the loss ``L = Σ dy · y`` under a relative change of one
-    input, ``max_x Σ|x · dL/dx|`` (float64): the scale of what the gradients are for."""
-    return max((float((inputs[n].detach().to(torch.float64) * g).abs().sum()) for n, g in grads.items()),
+    input, ``max_x Σ|x · dL/dx|`` (float64, over the finite terms): the scale of what the
+    gradients are for."""
+    return max((float(_finite((inputs[n].detach().to(torch.float64) * g).abs()).sum()) for n, g in grads.items()),
                default=0.0)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its infinities and NaNs (special input values and what they reach) as 0."""
+    return torch.where(torch.isfinite(t), t, 0.0)
 
 
 def gradient_floor(tol: Tolerance, response: float, x: torch.Tensor, ref: torch.Tensor,
@@ -285,12 +291,12 @@ def gradient_floor(tol: Tolerance, response: float, x: torch.Tensor, ref: torch.
     terms that cancel to it, and a bound relative to ``max|ref|`` would demand the oracle's exact
     cancellation: the floor is then ``atol · S``. Elsewhere ``tol`` is unchanged, so a small but
     resolvable gradient (attention scores ×1e-3 make dq small) is still held to its own scale."""
-    total = float(x.detach().abs().sum(dtype=torch.float64))
+    total = float(_finite(x.detach().to(torch.float64).abs()).sum())
     if total == 0 or ref.numel() == 0:
         return tol
     scale = response / total
     u = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
-    if float(ref.abs().max()) > u * scale or tol.atol * scale <= tol.abs_floor:
+    if float(_finite(ref.abs()).max()) > u * scale or tol.atol * scale <= tol.abs_floor:
         return tol
     return replace(tol, abs_floor=tol.atol * scale,
                    reason=f"{tol.reason}; oracle (nearly) all zeros: at least {tol.atol * scale:.3g}")

@@ -230,7 +230,8 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
 #pragma unroll
                 for (int i = 0; i < EL; ++i) {
                     const float d = ex2(fmaf(f[i], LOG2E, -lse2)) - off;
-                    f[i] = g * (j * EL + i == t ? d - hit : d);
+                    // an ignored row's inf or NaN logits reach nothing (not 0 * NaN)
+                    f[i] = kept ? g * (j * EL + i == t ? d - hit : d) : 0.f;
                 }
                 store_streaming(dz_row + j, E::pack(f));
                 if (next < n) {

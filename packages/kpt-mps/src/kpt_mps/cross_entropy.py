@@ -82,8 +82,10 @@ def _chunks(hidden, weight, bias, target, ignore_index, unit):
         losses.append(loss)
         lses.append(lse)
         if dz is not None:
-            dhs.append(dz @ w32)
-            dw += dz.T @ h32[r]
+            # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
+            ignored = (target[r] == ignore_index)[:, None]
+            dhs.append((dz @ w32).masked_fill_(ignored, 0.0))
+            dw += dz.T @ h32[r].masked_fill(ignored, 0.0)
             db += dz.sum(0)
     grads = (torch.cat(dhs), dw, db) if unit is not None else None
     return torch.cat(losses), torch.cat(lses), grads

@@ -39,9 +39,9 @@ _TANH_CUBIC = tl.constexpr(0.044715)
 
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    """act(x) and act'(x), float32; relu'(0) = 0, and relu passes a NaN on."""
+    """act(x) and act'(x), float32; relu'(0) = 0 and relu'(NaN) = 1 (as torch), relu passes a NaN on."""
     if ACT == "relu":
-        return tl.where(x < 0.0, 0.0, x), tl.where(x > 0.0, 1.0, 0.0)
+        return tl.where(x < 0.0, 0.0, x), tl.where(x <= 0.0, 0.0, 1.0)
     elif ACT == "silu":
         s = tl.sigmoid(x)
         return x * s, s * (1.0 + x * (1.0 - s))

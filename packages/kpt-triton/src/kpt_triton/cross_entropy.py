@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import cdiv, next_pow2, persistent_programs, vector, warps
+from .tiling import cdiv, nan_max, next_pow2, persistent_programs, vector, warps
 
 
 @triton.jit
@@ -76,7 +76,8 @@ def _cross_entropy_row(
                         eviction_policy="evict_last").to(tl.float32)
             if HAS_BIAS:
                 z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, axis=0))
+            # NaN-propagating: a NaN logit beside a +inf one makes the row NaN, not +inf
+            m_new = tl.maximum(m, nan_max(z, 0), propagate_nan=tl.PropagateNan.ALL)
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             if SMOOTHING:
                 z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
@@ -110,7 +111,8 @@ def _cross_entropy_row(
                 z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
             d = tl.exp(z - lse) - label_smoothing / V
             d -= tl.where(c + cols == target, 1.0 - label_smoothing, 0.0)
-            tl.store(DZ + row * stride_dzn + c + cols, (g * d).to(DZ.dtype.element_ty), mask=mask,
+            # selected: an ignored row's inf or NaN logits reach nothing (0 · NaN)
+            tl.store(DZ + row * stride_dzn + c + cols, tl.where(kept, g * d, 0.0).to(DZ.dtype.element_ty), mask=mask,
                      eviction_policy="evict_first")
 
 
@@ -261,8 +263,11 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
               compute_lse=losses is not None, write_loss=losses is not None, block_v=block_v,
               elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)
         if grad is not None:
-            torch.mm(dz, weight, out=dhidden[r])
-            dweight.addmm_(dz.t(), h)
+            # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
+            # (its dz is 0, and 0 · inf would be NaN in the products)
+            ignored = (target[r] == ignore_index)[:, None]
+            torch.mm(dz, weight, out=dhidden[r]).masked_fill_(ignored, 0.0)
+            dweight.addmm_(dz.t(), h.masked_fill(ignored, 0.0))
             if bias is not None:
                 dbias += dz.sum(0, dtype=torch.float32)
     if grad is None:

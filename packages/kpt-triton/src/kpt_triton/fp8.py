@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
-from .tiling import as_rows, cdiv, load_tile, next_pow2, persistent_programs, row_tiling, tile_of, tiles, warps
+from .tiling import as_rows, cdiv, load_tile, nan_max, next_pow2, persistent_programs, row_tiling, tile_of, tiles, warps
 
 
 @triton.jit
@@ -48,13 +48,6 @@ def _inverse_scale(scale):
     the product by p exact."""
     p = tl.where(scale < 1.0e-30, 18446744073709551616.0, 1.0)
     return p, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale * p)
-
-
-@triton.jit
-def _nan_max(a, axis):
-    """The maximum of ``a`` along ``axis``, NaN where any element is NaN (as torch.amax: a GPU's
-    maximum instruction, which tl.max uses, drops NaN)."""
-    return tl.where(tl.max((a != a).to(tl.int32), axis=axis) > 0, float("nan"), tl.max(a, axis=axis))
 
 
 @triton.jit
@@ -131,11 +124,11 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask0 = row_ok[:, None] & (cols < D)[None, :]
     x0 = load_tile(X, rows, cols, stride_xr, stride_xc, mask0)
-    amax = _nan_max(tl.abs(x0), 1)
+    amax = nan_max(tl.abs(x0), 1)
     for c in range(BLOCK_D, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
         x = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-        amax = tl.maximum(amax, _nan_max(tl.abs(x), 1), propagate_nan=tl.PropagateNan.ALL)
+        amax = tl.maximum(amax, nan_max(tl.abs(x), 1), propagate_nan=tl.PropagateNan.ALL)
     scale = _scale_of(amax, FP8_MAX)
     tl.store(SCALE + rows, scale, mask=row_ok)
     pre, inv_scale = _inverse_scale(scale)
@@ -163,7 +156,7 @@ def _amax_kernel(
         rows, cols, mask = tile_of(t, R, D, BLOCK_R, BLOCK_D)
         amax = tl.maximum(amax, tl.abs(load_tile(X, rows, cols, stride_xr, stride_xc, mask)),
                           propagate_nan=tl.PropagateNan.ALL)
-    tl.store(PARTIAL + pid, _nan_max(_nan_max(amax, 1), 0))
+    tl.store(PARTIAL + pid, nan_max(nan_max(amax, 1), 0))
 
 
 @triton.jit
@@ -181,7 +174,7 @@ def _quantize_tensor_kernel(
 ):
     pid = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)
-    scale = _scale_of(_nan_max(tl.load(PARTIAL + p, mask=p < P, other=0.0), 0), FP8_MAX)
+    scale = _scale_of(nan_max(tl.load(PARTIAL + p, mask=p < P, other=0.0), 0), FP8_MAX)
     if pid == 0:
         tl.store(SCALE, scale)
     rows, cols, mask = tile_of(pid, R, D, BLOCK_R, BLOCK_D)

@@ -47,7 +47,7 @@ H100, and cheaper to launch on a small one (M = 1: 0.058 against 0.158 ms with g
 
 
 ACTIVATION_GRADS = {
-    "relu": lambda dy, pre: dy * (pre > 0),
+    "relu": lambda dy, pre: dy * ~(pre <= 0),  # relu'(NaN) = 1, as torch.relu's own backward
     "gelu": lambda dy, pre: torch.ops.aten.gelu_backward(dy, pre),
     "gelu_tanh": lambda dy, pre: torch.ops.aten.gelu_backward(dy, pre, approximate="tanh"),
     "silu": torch.ops.aten.silu_backward,

@@ -74,6 +74,13 @@ def persistent_programs(tiles: int, device: torch.device, programs_per_sm: int) 
 
 
 @triton.jit
+def nan_max(a, axis):
+    """The maximum of ``a`` along ``axis``, NaN where any element is NaN (as torch.amax: a GPU's
+    maximum instruction, which tl.max uses, drops NaN)."""
+    return tl.where(tl.max((a != a).to(tl.int32), axis=axis) > 0, float("nan"), tl.max(a, axis=axis))
+
+
+@triton.jit
 def load_tile(PTR, rows, cols, stride_r, stride_c, mask):
     """The tile ``rows × cols`` of a strided matrix (``rows`` int64), loaded as float32: one
     64-bit base per row plus 32-bit column offsets (no 64-bit arithmetic per element)."""

@@ -21,10 +21,16 @@ is its reference math's (the float64 oracle), with these rules where that math i
   denominator) instead of the float64 oracle's value; nowhere else.
 * Subnormal inputs are values like any other (no flush to zero in the inputs' dtype); signed
   zeros compare equal.
+* What is left out adds nothing, not 0 · inf = NaN: a row that ``cross_entropy`` or
+  ``linear_cross_entropy`` ignores has a zero gradient and adds nothing to the weight's and bias's
+  gradients, whatever its values; an expert's ``grouped_linear`` gradients see only its own rows
+  and weight. (Attention's causal mask is still open: the reference's dense products carry an inf
+  or NaN into the pairs the mask hides.)
 
-The conformance suite fuzzes every kernel with such values against the oracle by these rules
-(``test_fuzz_valid.py``); a backend whose number format has no special values (a fixed-point
-design) says so in `kpt.Backend.special_values` and is fuzzed with finite values only.
+The conformance suite fuzzes every kernel with such values against the oracle by these rules,
+forward and backward (``test_fuzz_valid.py``; attention's gradients not yet); a backend whose
+number format has no special values (a fixed-point design) says so in
+`kpt.Backend.special_values` and is fuzzed with finite values only.
 """
 
 from __future__ import annotations

@@ -150,13 +150,15 @@ def _one_hot(target: Tensor, classes: int) -> Tensor:
     return torch.arange(classes, device=target.device) == target[:, None]
 
 
-def _dlogits(z: Tensor, target: Tensor, lse: Tensor, label_smoothing: float, row_grad: Tensor) -> Tensor:
-    """``row_grad[:, None] · (softmax(z) − (1 − ε) onehot − ε / V)``; ``row_grad`` is 0 on ignored rows."""
+def _dlogits(z: Tensor, target: Tensor, lse: Tensor, label_smoothing: float, row_grad: Tensor,
+             kept: Tensor) -> Tensor:
+    """``row_grad[:, None] · (softmax(z) − (1 − ε) onehot − ε / V)`` on the ``kept`` rows, 0 on the
+    ignored ones (selected: an inf or NaN logit of an ignored row reaches nothing)."""
     d = torch.exp(z - lse[:, None]) - (1 - label_smoothing) * _one_hot(target, z.shape[1]).to(z.dtype)
     if label_smoothing:
         # max: with no classes d is empty anyway
         d = d - label_smoothing / max(z.shape[1], 1)
-    return d * row_grad[:, None]
+    return torch.where(kept[:, None], d * row_grad[:, None], 0.0)
 
 
 def _kept(target: Tensor, ignore_index: int) -> Tensor:
@@ -198,7 +200,7 @@ def cross_entropy_forward(
     if not needs_grad:
         return loss, logits.new_empty(0)
     row_grad = _unit_grads(target, ignore_index, reduction, z.dtype)
-    return loss, _dlogits(z, target, lse, label_smoothing, row_grad).to(logits.dtype)
+    return loss, _dlogits(z, target, lse, label_smoothing, row_grad, target != ignore_index).to(logits.dtype)
 
 
 def cross_entropy_backward(
@@ -238,9 +240,11 @@ def _chunked(
         losses.append(_row_losses(z, target[r], ignore_index, 0.0, lse_r))
         lses.append(lse_r)
         if row_grad is not None:
-            dz = _dlogits(z, target[r], lse_r, 0.0, row_grad[r])
-            dhs.append(dz @ w)
-            dw = dw + dz.T @ h
+            # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
+            kept = (target[r] != ignore_index)[:, None]
+            dz = _dlogits(z, target[r], lse_r, 0.0, row_grad[r], kept[:, 0])
+            dhs.append(torch.where(kept, dz @ w, 0.0))
+            dw = dw + dz.T @ torch.where(kept, h, 0.0)
             if b is not None:
                 db = db + dz.sum(0)
     grads = (torch.cat(dhs), dw, db) if row_grad is not None else None

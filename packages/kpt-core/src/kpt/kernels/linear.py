@@ -3,7 +3,7 @@
     pre = x · weightᵀ + bias                  (float32 accumulation at least)
     y   = act(pre),   act ∈ {identity, relu, gelu (erf), gelu_tanh, silu}
 
-Backward, with dpre = dy ⊙ act'(pre) (relu'(0) = 0, as in torch):
+Backward, with dpre = dy ⊙ act'(pre) (relu'(0) = 0 and relu'(NaN) = 1, as in torch):
     dx      = dpre · weight
     dweight = Σ_rows dpreᵀ · x
     dbias   = Σ_rows dpre
@@ -38,7 +38,8 @@ from .activations import _gelu, _gelu_grad, _silu, _silu_grad
 
 
 def _relu_grad(x: Tensor) -> Tensor:
-    return (x > 0).to(x.dtype)
+    # 1 for NaN, as torch's threshold_backward: the gradient passes where x is not <= 0
+    return (~(x <= 0)).to(x.dtype)
 
 
 Pointwise = Callable[[Tensor], Tensor]

@@ -133,10 +133,12 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reducti
         losses.append(loss)
         lses.append(lse)
         if fused:
+            # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
             kept = (target[r] != ignore_index)[:, None]
             d = a.where(kept, _dlogits(a, z, target[r], lse, 0.0), a.const(0.0))
-            dhs.append(d @ w)
-            dw = d.mT @ h if dw is None else dw + d.mT @ h
+            dhs.append(a.where(kept, d @ w, a.const(0.0)))
+            hk = a.where(kept, h, a.const(0.0))
+            dw = d.mT @ hk if dw is None else dw + d.mT @ hk
             db = d.sum(0) if db is None else db + d.sum(0)
     loss = a.cast(_reduce(a, a.cat(losses, 0), target, ignore_index, reduction), "loss",
                   _loss_format(a, reduction, target))
@@ -174,8 +176,9 @@ def linear_cross_entropy_bwd(hidden, weight, target, bias, ignore_index, reducti
         d = _dlogits(a, _logits(a, h, w, b), target[r], lse_v[r], 0.0)
         dz = a.cast(d * (g[r][:, None] if reduction == "none" else g), "dz", a.wide)
         dz = a.where(kept[r][:, None], dz, a.const(0.0))
-        dhs.append(dz @ w)
-        dw = dz.mT @ h if dw is None else dw + dz.mT @ h
+        dhs.append(a.where(kept[r][:, None], dz @ w, a.const(0.0)))
+        hk = a.where(kept[r][:, None], h, a.const(0.0))
+        dw = dz.mT @ hk if dw is None else dw + dz.mT @ hk
         db = dz.sum(0) if db is None else db + dz.sum(0)
     dbias = a.out(a.cast(db, "dbias", summed), bias.dtype) if bias is not None else hidden.new_empty(0)
     return (a.out(a.cast(a.cat(dhs, 0), "dhidden"), hidden.dtype),

@@ -54,7 +54,7 @@ def linear_bwd(x, weight, bias, activation, y, pre, dy):
     dpre = a.load(rows(dy), "dy")
     if activation == "relu":
         p = a.load(rows(pre), "pre")
-        dpre = a.where(p > a.const(0.0), dpre, a.const(0.0))
+        dpre = a.where(p <= a.const(0.0), a.const(0.0), dpre)  # relu'(NaN) = 1, as in torch
     elif activation is not None:
         dpre = a.cast(dpre * ACTIVATIONS[activation][1](a, a.load(rows(pre), "pre")), "dpre")
     dx = a.cast(dpre @ a.load(weight, "weight"), "dx")

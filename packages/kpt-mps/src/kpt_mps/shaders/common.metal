@@ -123,7 +123,7 @@ inline float act(float x, int kind) {
 }
 
 inline float act_grad(float x, int kind) {
-  if (kind == ACT_RELU) return x > 0.0f ? 1.0f : 0.0f;
+  if (kind == ACT_RELU) return x <= 0.0f ? 0.0f : 1.0f;  // relu'(NaN) = 1, as in torch
   if (kind == ACT_GELU)
     return 0.5f * erfc_approx(-x * 0.70710678118654752f) + x * precise::exp(-0.5f * x * x) * 0.3989422804014327f;
   if (kind == ACT_GELU_TANH) {

@@ -14,14 +14,21 @@ kernel void cross_entropy_fwd(device const uchar* z [[buffer(0)]], device const 
   int zc = int(ip[1]), dc = int(ip[4]);
   bool grad = ip[3] != 0, kept = t != ip[2], in_range = t >= 0 && t < v;
   float eps = fp[0];
-  float m = -INFINITY, total = 0.0f;
-  for (long c = lid; c < v; c += nt) { float x = load(z, base + c, zc); m = max(m, x); total += x; }
+  float m = -INFINITY, total = 0.0f, nans = 0.0f;
+  for (long c = lid; c < v; c += nt) {
+    float x = load(z, base + c, zc);
+    m = max(m, x);  // drops NaN: counted apart
+    total += x;
+    nans += isnan(x) ? 1.0f : 0.0f;
+  }
   m = group_max(m, partial, lid, nt);
   total = group_sum(total, partial, lid, nt);
+  nans = group_sum(nans, partial, lid, nt);
   float s = 0.0f;
   for (long c = lid; c < v; c += nt) s += precise::exp(load(z, base + c, zc) - m);
   s = group_sum(s, partial, lid, nt);
-  float lse = m == INFINITY ? m : m + precise::log(s);  // a +inf logit: s is NaN (inf − inf), lse +inf
+  // a +inf logit: s is NaN (inf − inf), lse +inf; a NaN logit: NaN, also beside a +inf one
+  float lse = nans > 0.0f ? NAN : (m == INFINITY ? m : m + precise::log(s));
   if (lid == 0) {
     float zt = in_range ? load(z, base + t, zc) : 0.0f;
     float loss = (1.0f - eps) * (lse - zt);
@@ -33,7 +40,7 @@ kernel void cross_entropy_fwd(device const uchar* z [[buffer(0)]], device const 
   float g = unit[row];
   for (long c = lid; c < v; c += nt) {
     float d = precise::exp(load(z, base + c, zc) - lse) - (c == t ? 1.0f - eps : 0.0f) - eps / float(v);
-    store(dz, base + c, dc, g * d);
+    store(dz, base + c, dc, kept ? g * d : 0.0f);  // an ignored row's inf or NaN reaches nothing
   }
 }
 
