@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kpt
 from conftest import check_kernel, device
 from kpt.kernels.moe import GROUPED_LINEAR
 from kpt.spec import randn, strided, transposed
@@ -35,6 +36,17 @@ def test_relu_epilogue_passes_nan_on():
     x = torch.tensor([[float("nan")], [-1.0], [-0.0], [0.0], [2.0]], device=device())
     y, _ = p.linear_fwd(x, torch.ones(1, 1, device=device()), None, "relu")
     assert y[0, 0].isnan() and y[1:, 0].tolist() == [0.0, 0.0, 0.0, 2.0]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS[1:])
+def test_activations_of_infinities_as_the_reference(activation):
+    """act(±inf) is the reference math's (gelu(+inf) = +inf: torch's CPU gelu gives NaN)."""
+    x = torch.tensor([[float("inf")], [-float("inf")]])
+    y, _ = p.linear_fwd(x.to(device()), torch.ones(1, 1, device=device()), None, activation)
+    expected = kpt.get_backend("reference").linear(x.double(), torch.ones(1, 1, dtype=torch.float64),
+                                                   activation=activation)
+    assert torch.equal(y.cpu().double().isnan(), expected.isnan())
+    assert torch.equal(y.cpu().double().nan_to_num(), expected.nan_to_num())
 
 
 OFFSETS = {  # rows, experts, offsets: as drawn, or bad values the contract clamps (expert_bounds)

@@ -36,9 +36,16 @@ from kpt.spec import rows
 from .linear import zero_grads
 from .tiling import cdiv
 
+
+def _gelu(pre: torch.Tensor) -> torch.Tensor:
+    """``F.gelu``; torch's CPU kernel gives NaN for +inf (its GPU kernels, and the contract, +inf)."""
+    y = F.gelu(pre)
+    return torch.where(pre == float("inf"), pre, y) if pre.device.type == "cpu" else y
+
+
 ACTIVATIONS = {
     "relu": torch.relu,
-    "gelu": F.gelu,
+    "gelu": _gelu,
     "gelu_tanh": lambda pre: F.gelu(pre, approximate="tanh"),
     "silu": F.silu,
 }
