@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from kpt.spec import rows
 
 from ..hls import Design, region
@@ -54,7 +56,10 @@ def linear_bwd(x, weight, bias, activation, y, pre, dy):
     dpre = a.load(rows(dy), "dy")
     if activation == "relu":
         p = a.load(rows(pre), "pre")
-        dpre = a.where(p <= a.const(0.0), a.const(0.0), dpre)  # relu'(NaN) = 1, as in torch
+        passes = p > a.const(0.0)
+        if isinstance(p, torch.Tensor):  # floating point: relu'(NaN) = 1 as in torch; fixed point has no NaN
+            passes = passes | p.isnan()
+        dpre = a.where(passes, dpre, a.const(0.0))
     elif activation is not None:
         dpre = a.cast(dpre * ACTIVATIONS[activation][1](a, a.load(rows(pre), "pre")), "dpre")
     dx = a.cast(dpre @ a.load(weight, "weight"), "dx")
