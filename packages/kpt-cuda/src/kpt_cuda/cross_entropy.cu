@@ -15,7 +15,7 @@
 //                     writes.
 //
 // loss = (1 - eps) * (lse - z_t) + eps * (lse - mean z), 0 for ignored rows; g is the gradient
-// reaching each row's loss (*grad, the same for every row), 0 for ignored rows. A target outside
+// reaching each row's loss (*grad, the same for every row); an ignored row's dz is 0. A target outside
 // [0, V) that is not ignored gives a NaN loss. A slot's next load is issued after the thread has
 // read the slot into registers, so the asynchronous copy never overwrites a value still to be
 // read. Compiled by NVRTC (no headers needed).
@@ -215,7 +215,7 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
         }
 
         // pass B: the gradient, each slot then loading the next row
-        const float g = kept ? *grad : 0.f;
+        const float g = *grad;
         const float lse2 = lse * LOG2E;
         const float off = smoothing / v;
         const float hit = 1.f - smoothing;

@@ -100,7 +100,7 @@ def _cross_entropy_row(
         tl.store(LOSS + row, tl.where(kept, loss, 0.0))
 
     if WRITE_GRAD:
-        g = tl.where(kept, tl.load(GRAD + row * stride_g).to(tl.float32), 0.0)
+        g = tl.load(GRAD + row * stride_g).to(tl.float32)  # an ignored row's dz is 0 (the store's select)
         # last chunk first: the chunks pass 1 read last are the likeliest still in L2
         for c_rev in range(0, V, BLOCK_V):
             c = (tl.cdiv(V, BLOCK_V) - 1) * BLOCK_V - c_rev

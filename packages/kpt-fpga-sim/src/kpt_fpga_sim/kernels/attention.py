@@ -49,8 +49,11 @@ def attention_fwd(q, k, v, causal, scale):
         return zeros(q), torch.full(q.shape[:3], -math.inf)
     _, _, vg, s, visible = _grouped(a, q, k, v, causal, scale)
     m = a.where(visible, s, a.lowest).amax(-1)
-    # every visible score -inf (an inf in q or k): the row saw no key, as in the reference
-    seen = visible.any(-1) & (m != -math.inf)
+    seen = visible.any(-1)
+    if isinstance(m, torch.Tensor):
+        # floating point: every visible score -inf (an inf in q or k) is a row that saw no key, as
+        # in the reference (fixed-point formats have no infinities)
+        seen = seen & (m != -math.inf)
     m = a.where(seen, m, a.const(0.0))
     # masked scores go to the bottom of the exp unit's domain, where it gives exactly 0
     e = a.exp(a.where(visible, s - m[..., None], a.lowest))
