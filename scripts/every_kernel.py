@@ -4,6 +4,9 @@ value checks off, on its out-of-range index values (`KernelSpec.bad_values`).
 Meant to run under a memory checker, where the full suite would be too slow:
 
     compute-sanitizer --tool memcheck python3 scripts/every_kernel.py --backend cuda
+
+With ``--each``, every call is named on a line of its own (``call: kernel case dtype``) before it
+runs and the device synchronized after it, so that a checker's reports can be told apart by call.
 """
 
 from __future__ import annotations
@@ -31,8 +34,17 @@ def main() -> int:
     parser.add_argument("--backend", default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--kernels", default=",".join(kpt.SPECS), help="comma-separated (default: all)")
+    parser.add_argument("--each", action="store_true", help="name each call and synchronize after it")
     opts = parser.parse_args()
     be = kpt.get_backend(opts.backend)
+
+    def run(spec: kpt.KernelSpec, args: dict, grad: bool, label: str) -> None:
+        if opts.each:
+            print(f"call: {spec.name} {label}", flush=True)
+        _run(be, spec, to_device(args, be.device()), grad)
+        if opts.each and be.device().type == "cuda":
+            torch.cuda.synchronize()
+
     g = torch.Generator().manual_seed(0)
     calls = 0
     specs = [kpt.SPECS[name] for name in opts.kernels.split(",")]
@@ -43,11 +55,11 @@ def main() -> int:
             for dtype in (getattr(torch, d) for d in opts.dtypes.split(",")):
                 if case.dtypes and dtype not in case.dtypes:
                     continue
-                _run(be, spec, to_device(case.make(g, dtype), be.device()), case.grad)
+                run(spec, case.make(g, dtype), case.grad, f"{case.name} {str(dtype).split('.')[-1]}")
                 calls += 1
         with kpt.checked_values(False):
             for bad in spec.bad_values():
-                _run(be, spec, to_device(bad.make(), be.device()), True)
+                run(spec, bad.make(), True, f"bad value: {bad.name}")
                 calls += 1
         if be.device().type == "cuda":
             torch.cuda.synchronize()

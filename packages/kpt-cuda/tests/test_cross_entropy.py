@@ -93,3 +93,37 @@ def test_out_of_range_target_gives_nan(monkeypatch):
     z = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
     loss, _ = native.cross_entropy_fwd(z, torch.tensor([0, 1024, -100], device="cuda"), -100, 0.0, "none", True)
     assert loss[0].isfinite() and loss[1].isnan() and loss[2] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA GPU: the CUDA C kernel runs nowhere else")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_special_values_as_the_reference(monkeypatch, dtype, eps):
+    """NaN, ±inf and ±max logits: the same NaN and inf positions as the float64 reference in the
+    loss of every row and its gradient, finite values close (an H100 gave a +inf logit's row a NaN
+    loss and NaN gradient everywhere, and a ±max logit's row inf gradients, before the kernel took
+    its exponents of differences and kept a row's +inf or NaN maximum as its lse)."""
+    monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
+    n, v = 11, 32000
+    z = torch.randn(n, v, device="cuda").to(dtype)
+    target = torch.randint(0, v, (n,), device="cuda")
+    big = torch.finfo(dtype).max
+    z[1, 7] = float("nan")
+    z[2, 11] = float("inf")
+    z[3, 5] = float("-inf")
+    z[4, 3], z[4, 9] = float("nan"), float("inf")  # NaN beside +inf: NaN
+    z[5] = float("nan")
+    target[5] = -100  # an ignored row of NaN adds nothing
+    z[6] = float("-inf")  # no class possible: NaN loss
+    z[7, target[7]] = float("-inf")  # the target impossible: +inf loss
+    z[8, 100], z[8, 200] = float("inf"), float("inf")
+    z[9, 0] = big
+    z[10, 0], z[10, 1] = big, -big
+    loss, dz = native.cross_entropy_fwd(z, target, -100, eps, "none", True)
+    ref_loss, ref_dz = kpt.SPECS["cross_entropy"].forward(z.cpu().double(), target.cpu(), -100, eps, "none", True)
+    for got, want in ((loss.double().cpu(), ref_loss), (dz.double().cpu(), ref_dz.to(dtype).double())):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.isposinf(), want.isposinf()) and torch.equal(got.isneginf(), want.isneginf())
+        finite = want.isfinite()
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-2, atol=1e-2 * want[finite].abs().max().item())

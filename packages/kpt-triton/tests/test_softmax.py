@@ -50,6 +50,14 @@ def test_chunked_rows(dtype, dim):
     _check(randn(g, 45, 45, dtype=dtype, scale=3.0), dim, dtype, max_block=16, tile_elems=32)
 
 
+def test_rows_past_max_block_take_chunks(dtype):
+    # rows up to max_block are read once; a longer one is read in chunks of `chunk` columns
+    g = torch.Generator().manual_seed(4)
+    x = randn(g, 5, 45, dtype=dtype, scale=3.0)
+    _check(x, 1, dtype, max_block=32, chunk=8, tile_elems=32)
+    _check(x[:, :30], 1, dtype, max_block=32, chunk=8, tile_elems=32)
+
+
 @pytest.mark.parametrize("block", [16, 64], ids=["chunked", "whole"])
 def test_extreme_forward(dtype, block):
     # magnitudes of 1e4 overflow a softmax that does not subtract the maximum. Forward only: with

@@ -120,6 +120,12 @@ __device__ __forceinline__ void store_streaming(uint4* p, uint4 v) {
 
 constexpr float LOG2E = 1.4426950408889634f;
 #define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
+
+// The larger of x and y, NaN if either is (fmaxf drops a NaN: a row's NaN must reach its lse).
+__device__ __forceinline__ float nan_max(float x, float y) { return x > y || x != x ? x : y; }
+
+__device__ __forceinline__ bool finite(float x) { return fabsf(x) < POS_INF; }
 
 // The block's combined value of one float per thread (OP 0: max, 1: sum); `scratch` holds one
 // float per warp. Ends with every thread holding the result; the caller's next use of `scratch`
@@ -129,13 +135,13 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         float y = __shfl_xor_sync(0xffffffffu, x, o);
-        x = OP == 0 ? fmaxf(x, y) : x + y;
+        x = OP == 0 ? nan_max(x, y) : x + y;
     }
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
     __syncthreads();
     x = scratch[0];
 #pragma unroll
-    for (int w = 1; w < THREADS / 32; ++w) x = OP == 0 ? fmaxf(x, scratch[w]) : x + scratch[w];
+    for (int w = 1; w < THREADS / 32; ++w) x = OP == 0 ? nan_max(x, scratch[w]) : x + scratch[w];
     return x;
 }
 
@@ -173,7 +179,8 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
         const bool kept = t != ignore_index;
 
         // pass A, vector by vector as they arrive: a running maximum m and a sum s of exp(z - m)
-        // rescaled whenever m grows (and the sum of z for label smoothing)
+        // rescaled whenever m grows (and the sum of z for label smoothing). Exponents are taken of
+        // differences, (z - m) * log2(e), never of z * log2(e): that overflows for |z| > 2.4e38.
         float m = NEG_INF;
         float s = 0.f;
         float zsum = 0.f;
@@ -186,23 +193,23 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
                 float m_new = m;
 #pragma unroll
                 for (int i = 0; i < EL; ++i) {
-                    m_new = fmaxf(m_new, f[i]);
+                    m_new = nan_max(m_new, f[i]);
                     if (SMOOTHING) zsum += f[i];
                 }
-                if (m_new != NEG_INF) {  // else every logit so far is -inf, adding nothing
-                    const float m2 = m_new * LOG2E;
-                    s *= ex2(fmaf(m, LOG2E, -m2));  // 0 while m is -inf
+                // a maximum of -inf adds nothing; one of +inf or NaN decides the lse alone
+                if (finite(m_new)) {
+                    s *= ex2((m - m_new) * LOG2E);  // 0 while m is -inf
 #pragma unroll
-                    for (int i = 0; i < EL; ++i) s += ex2(fmaf(f[i], LOG2E, -m2));
-                    m = m_new;
+                    for (int i = 0; i < EL; ++i) s += ex2((f[i] - m_new) * LOG2E);
                 }
+                m = m_new;
             }
         }
         const float m_row = block_reduce<THREADS, 0>(m, scratch[0]);
-        s = block_reduce<THREADS, 1>(m == NEG_INF ? 0.f : s * ex2((m - m_row) * LOG2E), scratch[1]);
+        s = block_reduce<THREADS, 1>(finite(m) ? s * ex2((m - m_row) * LOG2E) : 0.f, scratch[1]);
         if (SMOOTHING) zsum = block_reduce<THREADS, 1>(zsum, scratch[2]);
         m = m_row;
-        const float lse = m + __logf(s);
+        const float lse = finite(m) ? m + __logf(s) : m;  // -inf, +inf or NaN: the row's lse
 
         if (tid == 0) {
             const bool in_range = t >= 0 && t < v;
@@ -216,7 +223,6 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
 
         // pass B: the gradient, each slot then loading the next row
         const float g = *grad;
-        const float lse2 = lse * LOG2E;
         const float off = smoothing / v;
         const float hit = 1.f - smoothing;
         const long long next = row + gridDim.x;
@@ -229,7 +235,7 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
                 E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], f);
 #pragma unroll
                 for (int i = 0; i < EL; ++i) {
-                    const float d = ex2(fmaf(f[i], LOG2E, -lse2)) - off;
+                    const float d = ex2((f[i] - lse) * LOG2E) - off;
                     // an ignored row's inf or NaN logits reach nothing (not 0 * NaN)
                     f[i] = kept ? g * (j * EL + i == t ? d - hit : d) : 0.f;
                 }

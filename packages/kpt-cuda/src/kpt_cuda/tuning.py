@@ -21,7 +21,6 @@ from __future__ import annotations
 from kpt_triton.backend import Table
 
 _ROW_SM90 = {"tile_elems": 4096, "elems_per_warp": 512}
-_ROW_BWD_SM90 = {**_ROW_SM90, "programs_per_sm": 4}
 _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 
 # measured on an H100 80GB HBM3 (scripts/tune_sweep.py, bf16 docs/performance.md shapes, 2026-11-21):
@@ -33,7 +32,12 @@ _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 # 0.101 -> 0.092 ms, rope_fwd (q and k in one launch) 0.197 -> 0.181 ms (kept for HBM3e parts
 # below); fourth sweep, H100 again: rope_fwd wants narrower warps there, 0.2304 -> 0.2272 ms;
 # fifth, H100, after layer_norm_fwd stopped compiling its chunk loops for one-chunk rows: 8 warps
-# per 4096-wide row, 0.0951 -> 0.0938 ms (the H200 keeps its own sweep's entry)
+# per 4096-wide row, 0.0951 -> 0.0938 ms (the H200 keeps its own sweep's entry); sixth, H100, at the
+# model sweep's shapes too (2026-11-26): layer_norm_bwd 0.266 -> 0.190 ms (4096 x 4096: 0.112 -> 0.072,
+# 65536 x 8192: 1.874 -> 1.785), gelu_bwd 0.391 -> 0.360 ms (4096 x 14336: 0.133 -> 0.122),
+# softmax_fwd with rows up to 32768 read once (longer ones still in 16K chunks): 4096 x 32768
+# 0.252 -> 0.195 ms, 4096 x 24000 0.235 -> 0.165 ms, the perf shape and 4096 x 128256 unchanged
+# (the H200 keeps rows of 16K: not measured there)
 _NORM_BWD_SM90 = {"tile_elems": 4096, "elems_per_warp": 1024, "programs_per_sm": 2}
 _ROPE_SM90 = {"tile_elems": 1024, "elems_per_warp": 512, "stream": True}
 
@@ -43,10 +47,11 @@ SM90: Table = {
     "add_rms_norm_fwd": _ROW_SM90,
     "add_rms_norm_bwd": _NORM_BWD_SM90,
     "layer_norm_fwd": {"tile_elems": 4096, "elems_per_warp": 512},
-    "layer_norm_bwd": _ROW_BWD_SM90,
-    "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True},
+    "layer_norm_bwd": {"tile_elems": 8192, "elems_per_warp": 1024, "programs_per_sm": 1},
+    "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True, "max_block": 32768},
     "softmax_bwd": _ROW_SM90,
     **{f"{k}_{d}": _POINTWISE_SM90 for k in ("gelu", "silu", "swiglu", "geglu") for d in ("fwd", "bwd")},
+    "gelu_bwd": {"block": 4096, "elems_per_warp": 512},
     "rope_fwd": {"tile_elems": 2048, "elems_per_warp": 256},
     "rope_bwd": _ROPE_SM90,
     "cross_entropy_fwd": {"block_v": 16384, "elems_per_warp": 1024, "programs_per_sm": 4},
@@ -60,6 +65,7 @@ SM90: Table = {
 }
 
 SM90_HBM3E: Table = {**SM90, "layer_norm_fwd": {"tile_elems": 4096, "elems_per_warp": 2048, "stream": True},
+                     "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True},
                      "rope_fwd": _ROPE_SM90}
 """Hopper with HBM3e (H200): the sm90 table, except where the H200 sweep chose differently."""
 

@@ -261,7 +261,10 @@ def _moe_combine_bwd_kernel(
     token = (pair // K).to(tl.int64)
     w = tl.load(W + token * stride_wt + (pair % K) * stride_wk, mask=read, other=0.0).to(tl.float32)
     rows64 = rows.to(tl.int64)
-    dw = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # products summed elementwise over the column tiles and reduced across the row once, after
+    # the loop (a reduction inside the loop reused its shared-memory scratch on every tile, where
+    # compute-sanitizer's racecheck reported write-after-write hazards on an H100)
+    gy = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = ok[:, None] & (cols[None, :] < H)
@@ -269,10 +272,10 @@ def _moe_combine_bwd_kernel(
                     other=0.0)
         y = tl.load(Y_SORTED + rows64[:, None] * stride_yr + cols[None, :] * stride_yh, mask=mask, other=0.0)
         g = g.to(tl.float32)
-        dw += tl.sum(g * y.to(tl.float32), 1)
+        gy += g * y.to(tl.float32)
         dy_sorted = (g * w[:, None]).to(DY_SORTED.dtype.element_ty)
         tl.store(DY_SORTED + rows64[:, None] * H + cols[None, :], dy_sorted, mask=mask)
-    tl.store(DW + pair, dw.to(DW.dtype.element_ty), mask=read)
+    tl.store(DW + pair, tl.sum(gy, 1).to(DW.dtype.element_ty), mask=read)
 
 
 @triton.jit

@@ -127,15 +127,15 @@ def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1:]))
 
 
-def softmax_fwd(x, dim, *, max_block: int = 16384, tile_elems: int = 2048,
+def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
                 elems_per_warp: int = 512, stream: bool = False) -> tuple[torch.Tensor]:
-    """``(y,)``. Tuning: rows up to ``max_block`` long are read once; each program handles about
-    ``tile_elems`` elements with one warp per ``elems_per_warp``; ``stream`` writes ``y`` as
-    streamed data (see `kpt_triton.tiling.store_output`)."""
+    """``(y,)``. Tuning: rows up to ``max_block`` long are read once, longer ones twice in chunks
+    of ``chunk`` columns; each program handles about ``tile_elems`` elements with one warp per
+    ``elems_per_warp``; ``stream`` writes ``y`` as streamed data (see `kpt_triton.tiling.store_output`)."""
     x3 = _as_3d(x, dim)
     outer, d, inner = x3.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block if d <= max_block else chunk, tile_elems=tile_elems)
     n_rows = outer * inner
     if n_rows and d:
         _softmax_fwd_kernel[(cdiv(n_rows, block_r),)](
@@ -146,13 +146,13 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, tile_elems: int = 2048,
     return (y,)
 
 
-def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, tile_elems: int = 2048,
+def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
                 elems_per_warp: int = 512) -> tuple[torch.Tensor]:
     """``(dx,)`` from the saved output ``y``; tuning as `softmax_fwd`."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y3, dy3 = _as_3d(y, dim), _as_3d(dy, dim)
     outer, d, inner = y3.shape
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block if d <= max_block else chunk, tile_elems=tile_elems)
     n_rows = outer * inner
     if n_rows and d:
         _softmax_bwd_kernel[(cdiv(n_rows, block_r),)](
