@@ -3,8 +3,9 @@
 # install the packages in place, then run the conformance suite (numerics, then speed),
 # the benchmark and a memory check of every kernel. Results go to the directory given ($1).
 #   bash scripts/gpu_check.sh reports/h100 [numerics] [perf] [bench] [memcheck] [sanitizers]
-# (sanitizers: racecheck, synccheck and initcheck over every kernel, and racecheck over the
-# valid-call fuzzing; not run by default: the slowest stage)
+# (sanitizers: racecheck, synccheck and initcheck over every kernel, each report counted by the
+# call and function that made it, the same tools over torch's own SDPA as the control for cuDNN's
+# kernels, and racecheck over the valid-call fuzzing; not run by default: the slowest stage)
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUTDIR [stages...]}; shift
 stages=${*:-numerics perf bench memcheck}
@@ -23,8 +24,11 @@ for stage in $stages; do
     memcheck) compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/every_kernel.py --backend cuda \
                 2>&1 | tail -n 30 | tee "$out/memcheck.txt" ;;
     sanitizers) for tool in racecheck synccheck initcheck; do
-                  compute-sanitizer --tool "$tool" --print-limit 20 python3 scripts/every_kernel.py --backend cuda \
-                    2>&1 | tail -n 30 > "$out/$tool.txt"; tail -n 3 "$out/$tool.txt"
+                  compute-sanitizer --tool "$tool" --print-limit 0 --show-backtrace no python3 scripts/every_kernel.py \
+                    --backend cuda --each 2>&1 | awk -f scripts/sanitizer_summary.awk > "$out/$tool.txt"
+                  compute-sanitizer --tool "$tool" --print-limit 0 --show-backtrace no python3 \
+                    scripts/sdpa_sanitizer_control.py 2>&1 | awk -f scripts/sanitizer_summary.awk > "$out/$tool-sdpa.txt"
+                  grep -h "SUMMARY" "$out/$tool.txt" "$out/$tool-sdpa.txt"
                 done
                 compute-sanitizer --tool racecheck --print-limit 20 kpt check --backend cuda --report "$out/fuzz" \
                   -- -q -k test_fuzz_valid 2>&1 | tail -n 30 | tee "$out/racecheck-fuzz.txt" ;;
