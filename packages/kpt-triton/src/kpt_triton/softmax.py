@@ -135,7 +135,7 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     x3 = _as_3d(x, dim)
     outer, d, inner = x3.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_r, block_d = row_tiling(d, max_block=max_block if d <= max_block else chunk, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk)
     n_rows = outer * inner
     if n_rows and d:
         _softmax_fwd_kernel[(cdiv(n_rows, block_r),)](
@@ -152,7 +152,7 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y3, dy3 = _as_3d(y, dim), _as_3d(dy, dim)
     outer, d, inner = y3.shape
-    block_r, block_d = row_tiling(d, max_block=max_block if d <= max_block else chunk, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk)
     n_rows = outer * inner
     if n_rows and d:
         _softmax_bwd_kernel[(cdiv(n_rows, block_r),)](

@@ -37,10 +37,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def row_tiling(d: int, *, max_block: int, tile_elems: int) -> tuple[int, int]:
-    """``(BLOCK_R, BLOCK_D)`` for rows of ``d`` columns: whole rows up to ``max_block`` columns,
-    then enough rows per tile to reach about ``tile_elems`` elements."""
-    block_d = min(next_pow2(d), max_block)
+def row_tiling(d: int, *, max_block: int, tile_elems: int, chunk: int | None = None) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_D)`` for rows of ``d`` columns: whole rows up to ``max_block`` columns
+    (longer rows in chunks of ``chunk`` columns, ``max_block`` if None), then enough rows per tile
+    to reach about ``tile_elems`` elements."""
+    block_d = min(next_pow2(d), max_block) if chunk is None or d <= max_block else chunk
     return max(1, tile_elems // block_d), block_d
 
 
