@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cached_launch
 from .tiling import as_rows, row_tiling, tile_of, tiles, warps
 
 # These constants multiply tensors from the right only: under the interpreter ``constexpr * tensor``
@@ -56,6 +57,7 @@ def _act(x, ACT: tl.constexpr):
         return x * cdf, cdf + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
 
 
+@cached_launch
 @triton.jit
 def _act_fwd_kernel(
     X, UP, Y,  # UP only with GATED; Y is contiguous [R, D]
@@ -75,6 +77,7 @@ def _act_fwd_kernel(
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _act_bwd_kernel(
     X, UP, DY, DX, DUP,  # UP and DUP only with GATED; DX and DUP are contiguous [R, D]

@@ -31,9 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cached_launch
 from .tiling import cdiv, nan_max, next_pow2, persistent_programs, vector, warps
 
 
+@cached_launch
 @triton.jit
 def _cross_entropy_kernel(
     Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ,  # BIAS only with HAS_BIAS; DZ (contiguous) may be Z
@@ -168,6 +170,7 @@ def unit_grad(target, ignore_index, reduction):
     return _row_grad(one, target, ignore_index, "mean" if reduction == "mean" else "sum")
 
 
+@cached_launch
 @triton.jit
 def _scale_rows_kernel(X, G, R, D, stride_g, BLOCK_D: tl.constexpr):
     """``X[r, :] *= G[r · stride_g]`` in place for a contiguous ``[R, D]`` X; a factor of 1 is

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
+from .launch import cached_launch
 from .tiling import as_rows, cdiv, load_tile, nan_max, next_pow2, persistent_programs, row_tiling, tile_of, tiles, warps
 
 
@@ -107,6 +108,7 @@ def _decode(bits, MBITS: tl.constexpr, EMIN: tl.constexpr, E4M3: tl.constexpr, N
     return tl.where((b & 0x80) != 0, -mag, mag)
 
 
+@cached_launch
 @triton.jit
 def _quantize_rows_kernel(
     X, XQ, SCALE,  # XQ is contiguous [R, D], SCALE [R]
@@ -142,6 +144,7 @@ def _quantize_rows_kernel(
         tl.store(XQ + rows[:, None] * D + c + cols[None, :], xq, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _amax_kernel(
     X, PARTIAL,  # PARTIAL: one float32 per program
@@ -159,6 +162,7 @@ def _amax_kernel(
     tl.store(PARTIAL + pid, nan_max(nan_max(amax, 1), 0))
 
 
+@cached_launch
 @triton.jit
 def _quantize_tensor_kernel(
     X, XQ, PARTIAL, SCALE,  # XQ is contiguous [R, D]; SCALE one float32
@@ -183,6 +187,7 @@ def _quantize_tensor_kernel(
     tl.store(XQ + rows[:, None] * D + cols[None, :], xq, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _dequantize_kernel(
     XQ, SCALE, Y,  # XQ: the float8 bits as uint8; SCALE: one per row (stride_s 0 for one per tensor)

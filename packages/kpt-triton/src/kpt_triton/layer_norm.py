@@ -26,9 +26,11 @@ import triton.language as tl
 
 from kpt.spec import rows
 
+from .launch import cached_launch
 from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, store_output, vector, warps
 
 
+@cached_launch
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD,  # W only with HAS_WEIGHT, B only with HAS_BIAS
@@ -101,6 +103,7 @@ def _store_normalized(Y_ROWS, centred, rstd, w, b, cols, mask, HAS_WEIGHT: tl.co
     store_output(Y_ROWS + cols[None, :], y.to(Y_ROWS.dtype.element_ty), mask, STREAM)
 
 
+@cached_launch
 @triton.jit
 def _layer_norm_bwd_kernel(
     X, W, MEAN, RSTD, DY, DX, DW_PART, DB_PART,  # W only with HAS_WEIGHT

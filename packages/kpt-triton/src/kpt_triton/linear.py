@@ -29,6 +29,7 @@ import triton.language as tl
 from kpt.spec import rows
 
 from .activations import _act
+from .launch import cached_launch
 from .tiling import cdiv, vector
 
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,6 +50,7 @@ def dot(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
+@cached_launch
 @triton.jit
 def _linear_fwd_kernel(
     X, W, BIAS, Y, PRE,  # BIAS only with HAS_BIAS; Y and PRE contiguous [M, N]
@@ -97,6 +99,7 @@ def _linear_fwd_kernel(
     tl.store(Y + corner + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _activation_bwd_kernel(
     DY, PRE, DPRE,  # PRE and DPRE contiguous [M, N]

@@ -162,6 +162,7 @@ def _expert_of_pair(INDICES, pairs, ok, E, K, stride_it, stride_ik):
     return tl.where(ok & ((expert < 0) | (expert >= E)), E, expert)
 
 
+@cached_launch
 @triton.jit
 def _moe_count_kernel(
     INDICES, COUNTS,  # COUNTS int32 [E + 1, num_blocks], expert-major (row E: pairs out of range)
@@ -178,6 +179,7 @@ def _moe_count_kernel(
         tl.store(COUNTS + experts.to(tl.int64) * num_blocks + b, counts, mask=experts <= E)
 
 
+@cached_launch
 @triton.jit
 def _moe_scatter_kernel(
     X, INDICES, COUNTS, CUMSUM, X_SORTED, ORDER, OFFSETS,  # X_SORTED contiguous [P, H]
@@ -214,6 +216,7 @@ def _moe_scatter_kernel(
             tl.store(OFFSETS + experts, first, mask=e_ok)
 
 
+@cached_launch
 @triton.jit
 def _invert_kernel(ORDER, INVERSE, P, BLOCK: tl.constexpr):  # INVERSE int32 [P], filled with -1
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -222,6 +225,7 @@ def _invert_kernel(ORDER, INVERSE, P, BLOCK: tl.constexpr):  # INVERSE int32 [P]
     tl.atomic_max(INVERSE + pairs, rows, mask=ok & (pairs >= 0) & (pairs < P))
 
 
+@cached_launch
 @triton.jit
 def _gather_sum_kernel(
     SRC, INVERSE, W, OUT,  # OUT contiguous [T, H]; W only with HAS_WEIGHTS
@@ -246,6 +250,7 @@ def _gather_sum_kernel(
     tl.store(OUT + tokens64[:, None] * H + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _moe_combine_bwd_kernel(
     Y_SORTED, ORDER, INVERSE, W, DY, DY_SORTED, DW,  # DY_SORTED contiguous [P, H], DW contiguous [T, K]
@@ -278,6 +283,7 @@ def _moe_combine_bwd_kernel(
     tl.store(DW + pair, tl.sum(gy, 1).to(DW.dtype.element_ty), mask=read)
 
 
+@cached_launch
 @triton.jit
 def _grouped_mm_kernel(
     A, B, C, BOUNDS,  # C contiguous [M, N]; segment s owns rows BOUNDS[s]:BOUNDS[s+1] of A and C
@@ -319,6 +325,7 @@ def _grouped_mm_kernel(
                  mask=row_ok[:, None] & (cols[None, :] < N))
 
 
+@cached_launch
 @triton.jit
 def _grouped_wgrad_kernel(
     DY, X, DW, OFFSETS,  # DW contiguous [E, N, K]

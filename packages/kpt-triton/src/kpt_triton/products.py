@@ -33,6 +33,7 @@ from kpt.kernels.moe import expert_bounds
 from kpt.ops import torch_autograd
 from kpt.spec import rows
 
+from .launch import cached_launch
 from .linear import zero_grads
 from .tiling import cdiv
 
@@ -93,6 +94,7 @@ def linear_bwd(
     return dx, dweight, dbias
 
 
+@cached_launch
 @triton.jit
 def _zero_outside_kernel(t_ptr, bounds_ptr, M, N, E, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     lo = tl.load(bounds_ptr)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kpt.spec import rows
 
+from .launch import cached_launch
 from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_tiling, vector, warps
 
 
@@ -39,6 +40,7 @@ def _load_h(X, RES, H, rows, cols, D, stride_xr, stride_xc, stride_rr, stride_rc
     return h
 
 
+@cached_launch
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, RES, W, Y, H, RSTD,  # RES and H only with HAS_RESIDUAL, W only with HAS_WEIGHT
@@ -90,6 +92,7 @@ def _store_rms_normalized(Y, W, rows, cols, D, h, rstd, mask, HAS_WEIGHT: tl.con
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _rms_norm_bwd_kernel(
     H, W, RSTD, DY, DH, DX, DW_PART,  # W only with HAS_WEIGHT, DH only with HAS_DH

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cached_launch
 from .tiling import cdiv, next_pow2, store_output, warps
 
 
@@ -58,6 +59,7 @@ def _rope_tile(
     store_output(out + HALF, (t2 * c2 + t1 * s2).to(OUT.dtype.element_ty), mask, STREAM)
 
 
+@cached_launch
 @triton.jit
 def _rope_kernel(
     Q, K, COS, SIN, QO, KO,  # QO, KO are contiguous like Q, K

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cached_launch
 from .tiling import cdiv, row_tiling, store_output, warps
 
 
@@ -34,6 +35,7 @@ def _pointers(BASE, rows, cols, inner, stride_o, stride_d, stride_i):
     return row_base[:, None] + (cols * stride_d)[None, :]
 
 
+@cached_launch
 @triton.jit
 def _softmax_fwd_kernel(
     X, Y,
@@ -80,6 +82,7 @@ def _softmax_fwd_kernel(
         store_output(y_ptrs, y.to(Y.dtype.element_ty), mask, STREAM)
 
 
+@cached_launch
 @triton.jit
 def _softmax_bwd_kernel(
     Y, DY, DX,
