@@ -8,7 +8,8 @@ For each shape of a sweep (`kpt.sweeps`) it times, on the backend's device, the 
 eager (the contract's reference math, run as plain PyTorch), torch.compile of the same math and the
 libraries present (SDPA with each of its backends, cuBLAS then the activation, ``torch._scaled_mm``,
 a loop of cuBLAS products and ``torch._grouped_mm``, Liger-Kernel where installed), forward and
-forward+backward (random output gradients; 1 for a scalar loss, as ``loss.backward()`` gives).
+forward+backward (random output gradients; 1 for a scalar loss, as ``loss.backward()`` gives), in
+rounds that take turns (`ROUNDS`), so that a drift of the card's clocks reaches each of them alike.
 It reports time, achieved GB/s or TFLOP/s from the spec's cost model, the fraction of the ceilings
 measured in the same run (device-to-device copy bandwidth, bf16 matrix product), the ratio to each
 peer and to the best of them, and each kernel's worst ratio over the sweep. Every timing is gated
@@ -404,15 +405,21 @@ def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label
             result.errors[name] = _message(exc)
             runners.pop(name, None)
     _busy(device)
-    for name, run in runners.items():
-        try:
-            ms = time_ms(run, device, warmup, rep)
-        except Exception as exc:
-            if name == "backend":
-                result.wrong = _message(exc)
-                return result
-            result.errors[name] = _message(exc)
-            continue
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    rounds = 1 if device.type == "cpu" else ROUNDS
+    for turn in range(rounds):
+        names = list(runners)
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            try:
+                samples[name].append(time_ms(runners[name], device, warmup / rounds, rep / rounds))
+            except Exception as exc:
+                if name == "backend":
+                    result.wrong = _message(exc)
+                    return result
+                result.errors[name] = _message(exc)
+                del runners[name]
+    for name in runners:
+        ms = statistics.median(samples[name])
         if name in found:
             result.libraries[name] = ms
         else:
@@ -421,6 +428,14 @@ def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label
         result.library, result.ms["library"] = min(result.libraries.items(), key=lambda kv: kv[1])
     _cost(result, spec, spec.check((), args, backend.dtypes), got, mode, ceilings)
     return result
+
+
+ROUNDS = 3
+"""Each implementation of a shape is timed in this many rounds of a third of the time each, taking
+turns in a rotating order, and its median kept. A card's clocks drift under a sustained load (on an
+H100 one cuBLAS product took 2.49 to 2.79 ms from one run to the next, `benchmarks/h100-2026-11-26b.md`):
+timed one after another, the implementations would each get a different part of that drift. On a
+CPU (tests), one round."""
 
 
 def _busy(device: torch.device, ms: float = 10.0) -> None:
