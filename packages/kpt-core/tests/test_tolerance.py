@@ -1,5 +1,6 @@
 """The comparison rule of `kpt.tolerance`: the absolute floor ``abs_floor``, the floor of a
-(nearly) all-zero gradient and the rule of ill-conditioned cases."""
+(nearly) all-zero gradient, the rule of ill-conditioned cases and the choice between two allowed
+results (`kpt.testing.either`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import kpt
-from kpt.testing import check_backward, compare, eager_widened, gradient_floor, tolerance_for
+from kpt.testing import check_backward, compare, eager_widened, either, gradient_floor, tolerance_for
 
 TOL = kpt.Tolerance(rel_norm=1e-3, atol=1e-3, rtol=1e-3)
 
@@ -122,3 +123,16 @@ def test_an_ill_conditioned_case_is_judged_against_eager_in_its_dtype() -> None:
     assert not compare("dx", (yo * dy).float(), ref, widened).ok
     # a factor of 0 (a well-conditioned case) widens nothing
     assert eager_widened(tol, "dx", eager, ref, 0.0) == tol
+
+
+def test_each_element_may_match_either_of_two_results() -> None:
+    nan, inf = float("nan"), float("inf")
+    ref = torch.tensor([1.0, nan, 2.0, inf, 1.0], dtype=torch.float64)
+    alt = torch.tensor([1.0, 3.0, nan, 4.0, 1.0], dtype=torch.float64)
+    for out in ([1.0, 3.0, nan, inf, 1.0], [1.0, nan, 2.0, 4.0, 1.0]):
+        out = torch.tensor(out)
+        assert compare("y", out, either(out, ref, alt), TOL).ok, out
+    # NaN where both results are finite, and a value of neither, fail
+    for out in ([nan, 3.0, 2.0, inf, 1.0], [1.0, 3.0, 2.0, inf, 1.5], [1.0, 3.0, 2.0, -inf, 1.0]):
+        out = torch.tensor(out)
+        assert not compare("y", out, either(out, ref, alt), TOL).ok, out

@@ -10,7 +10,7 @@ from kpt_mps import device, metal, plugin
 from kpt_mps.families import FAMILIES
 
 import kpt
-from kpt.testing import compare
+from kpt.testing import attention_hidden_pairs_add_nothing, check_backward, compare
 
 
 def test_plugin_returns_one_backend():
@@ -138,3 +138,29 @@ def test_attention_forward_special_values_match_the_reference(emulated, case, dt
         assert torch.equal(out[ref.isinf()], ref[ref.isinf()]), f"{what}: infinities of other signs"
         check = compare(what, out[ref.isfinite()], ref[ref.isfinite()], kpt.default_tolerance(dtype))
         assert check.ok, check.message
+
+
+@pytest.mark.parametrize("case", ATTENTION_SPECIALS.values(), ids=ATTENTION_SPECIALS.keys())
+def test_attention_gradients_with_special_values_match_either_oracle(emulated, case):
+    """Each gradient element is the reference's or the one where the pairs the causal mask hides
+    add nothing (`kpt.kernels`, "Special values")."""
+    name, row, value, causal = case
+    g = torch.Generator().manual_seed(13)
+    args = {"q": torch.randn(1, 2, 70, 32, generator=g), "k": torch.randn(1, 1, 60, 32, generator=g),
+            "v": torch.randn(1, 1, 60, 32, generator=g), "causal": causal, "scale": None}
+    args[name][0, 0, row, 5] = value
+    report = check_backward(kpt.get_backend("mps"), kpt.SPECS["attention"], args, torch.float32, g,
+                            alternative=attention_hidden_pairs_add_nothing)
+    assert report.ok, report.message
+
+
+def test_attention_gradients_of_a_query_whose_only_score_is_minus_inf(emulated):
+    """A query whose visible scores are all -inf sees no key (lse = -inf): the backward's p is 0
+    there, as the reference's, not exp(-inf + inf) = NaN, so its dq is 0."""
+    g = torch.Generator().manual_seed(0)
+    args = {"q": torch.randn(1, 2, 13, 16, generator=g), "k": torch.randn(1, 1, 1, 16, generator=g),
+            "v": torch.randn(1, 1, 1, 16, generator=g), "causal": False, "scale": None}
+    args["q"][0, 0, 3, 5] = -float("inf") * args["k"][0, 0, 0, 5].sign()
+    report = check_backward(kpt.get_backend("mps"), kpt.SPECS["attention"], args, torch.float32, g,
+                            alternative=attention_hidden_pairs_add_nothing)
+    assert report.ok, report.message

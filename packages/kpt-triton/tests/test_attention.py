@@ -182,6 +182,24 @@ def test_backward_special_key_with_zero_weight_stays_finite(case):
     a = _args(g, torch.float32, 1, 1, 1, 4, 6, 16, causal)
     a["k"][0, 0, 5, 2] = value
     a["q"][0, 0, :, 2] = 1.0 if value < 0 else -1.0  # every score with key 5 is −inf
+    _assert_backward_nan_as_the_reference(a, g)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_query_with_only_minus_inf_scores_stays_finite(causal):
+    """A query with -inf where every key is positive: its scores are all -inf and it sees no key
+    (dq = 0); the zero rows padding the last key block must not meet it as inf · 0 = NaN."""
+    g = torch.Generator().manual_seed(22)
+    a = _args(g, torch.float32, 1, 1, 1, 4, 6, 16, causal)
+    a["k"][0, 0, :, 2] = 1.0
+    a["q"][0, 0, 3, 2] = float("-inf")
+    _assert_backward_nan_as_the_reference(a, g)
+
+
+def _assert_backward_nan_as_the_reference(a, g):
+    """The gradients of the call ``a`` (16×16 tiles; the output gradient drawn from ``g``) are NaN
+    where the reference's are, and close to them elsewhere."""
+    causal = a["causal"]
     a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v for n, v in a.items()}
     o, lse = k.attention_fwd(*a.values(), **_all_dims(16, 16))
     do = randn(g, *o.shape, dtype=o.dtype).to(o.device)

@@ -36,11 +36,12 @@ blocks past the diagonal are never loaded, so with a causal mask and more than o
 over v first records per column the last row holding an inf or NaN (`_last_nonfinite_kernel`),
 and the forward's epilogue applies it: one read of v, nothing in the inner loop.
 
-The backward matches the reference where every (query, key) pair is computed: without a causal
-mask. With one, it skips the pairs hidden by the mask, where the reference's dense products meet
-p = 0 or ds = 0 times an inf or NaN (0 · NaN = NaN): there its dq, dk, dv can be finite where the
-reference's are NaN, and a k or q row holding inf can meet the zero rows that pad a partial tile
-(inf · 0), giving NaN where the reference's are finite.
+The backward skips the key blocks past the diagonal but computes the hidden pairs inside the
+diagonal blocks (with p = 0): an inf or NaN met only in pairs hidden by the causal mask reaches a
+gradient as the reference's dense products carry it (0 · inf = NaN) where it lies in a diagonal
+block, and adds nothing where it lies in a skipped one, which the contract allows (`kpt.kernels`,
+"Special values"). The rows and columns that pad a partial tile get p = 0 as hidden pairs do, so an
+inf in q or k never meets their zeros as inf · 0 = NaN.
 
 Head dims that are not powers of two are padded in registers and masked. Under
 ``TRITON_INTERPRET=1`` the dot operands are promoted to float32 (the interpreter has no 16-bit
@@ -312,11 +313,12 @@ def _attn_bwd_dkdv_kernel(
 def _attn_bwd_dq_blocks(
     dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, qk_scale, shift, Skv,
-    MASK: tl.constexpr,  # apply the causal mask (diagonal key blocks only)
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK: tl.constexpr,  # apply the key-range and causal masks (diagonal and tail blocks only)
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # keys past Skv load as zeros, so their ds multiplies a zero row of k: no tail mask needed
+    # keys past Skv load as zeros, but an inf in q makes their score inf · 0 = NaN, whose ds would
+    # reach dq through the zero row of k (NaN · 0): their p is masked to 0 like a hidden key's
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -325,7 +327,10 @@ def _attn_bwd_dq_blocks(
                         offs_d, HEAD_DIM, offs_n, Skv, HEAD_DIM != BLOCK_D, True)
         p = tl.exp2(dot(q, tl.trans(k), None, DOT_FP32, PRECISION) * qk_scale - lse[:, None])
         if MASK:
-            p = tl.where(offs_n[None, :] <= offs_m[:, None] + shift, p, 0.0)
+            visible = offs_n[None, :] < Skv
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+            p = tl.where(visible, p, 0.0)
         dp = dot(do, vt, None, DOT_FP32, PRECISION)
         dq = dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, DOT_FP32, PRECISION)
     return dq
@@ -363,16 +368,16 @@ def _attn_bwd_dq_kernel(
     if CAUSAL:
         full, hi = _causal_range(start_m, shift, Skv, BLOCK_M, BLOCK_N)
     else:
-        full = Skv
+        full = Skv // BLOCK_N * BLOCK_N
         hi = Skv
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
                              stride_vd, offs_m, 0, full, qk_scale, shift, Skv,
-                             False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                             False, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
                              stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
-                             True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                             True, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
     _store_rows(DQ + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, dq * scale, HEAD_DIM, BLOCK_D)
 
 

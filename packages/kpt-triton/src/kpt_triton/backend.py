@@ -157,10 +157,7 @@ class TritonBackend(kpt.Backend):
 
     def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
         """All of them, but no bfloat16 subnormals under the interpreter: Triton's interpreter
-        (3.6) converts them to float32 wrongly (2.85e-39 is read as 1.10e-38); GPUs convert exactly.
-        (The fuzzing checks the outputs for special values, not the gradients: attention's backward
-        with inf or NaN inputs and a causal mask differs from the reference's dense products, see
-        `kpt_triton.attention`.)"""
+        (3.6) converts them to float32 wrongly (2.85e-39 is read as 1.10e-38); GPUs convert exactly."""
         left_out = {"subnormal"} if interpreted() and dtype == torch.bfloat16 else set()
         return tuple(s for s in kpt.SPECIAL_VALUES if s not in left_out)
 

@@ -19,8 +19,10 @@ exactly the outputs the reference math carries it to, and an output may be non-f
 that only where the reference math run at the contract's precision (float32 for the float16,
 bfloat16 and float32 inputs) overflows too, with the same value. No input may change. The
 gradients of the differentiable kernels are checked as well, also with special values
-(`SPECIAL_GRADIENTS`, except for the kernels of `NO_SPECIAL_GRADIENTS`). A valid call that the
-backend does not support may raise `kpt.KernelNotSupportedError`.
+(`SPECIAL_GRADIENTS`); attention's may match, per element, either the reference's dense products or
+a second oracle in which the pairs its causal mask hides add nothing
+(`kpt.testing.ALTERNATIVE_GRADIENTS`). A valid call that the backend does not support may raise
+`kpt.KernelNotSupportedError`.
 
 Bounded by ``--kpt-fuzz-valid-examples`` calls per kernel (CI runs the default; ``nox -s fuzz``
 many more). Hypothesis's choices come from the run's seed, so ``kpt check --seed N`` replays
@@ -41,9 +43,11 @@ import kpt
 from kpt.ops import as_tuple
 from kpt.spec import transposed
 from kpt.testing import (
+    ALTERNATIVE_GRADIENTS,
     check_backward,
     compare,
     eager_widened,
+    either,
     modified,
     oracle_backend,
     poisoned,
@@ -68,12 +72,6 @@ OVERFLOWING = ("max", "inf", "nan")
 SPECIAL_GRADIENTS = ("zero", "subnormal", "inf", "nan")
 """Special values with which the gradients are checked too; not ±max, for which the contract allows
 float32 overflow in the forward's named intermediates only."""
-NO_SPECIAL_GRADIENTS = {
-    "attention": "the reference's dense products carry an inf or NaN into pairs that the causal mask "
-                 "hides (0 · inf), which tiled kernels never visit; which of the two the contract means "
-                 "is not settled",
-}
-"""Kernels whose gradients are not checked with special values, and why."""
 LAYOUTS = ("contiguous", "transposed", "sliced", "offset", "expanded")
 NOT_EXPANDED = {
     ("linear_cross_entropy", "weight"): "every class the same row: dhidden = Σ_c dz_c · w cancels to 0 exactly, "
@@ -342,12 +340,8 @@ def _expected(out: torch.Tensor, ref: torch.Tensor, low: torch.Tensor) -> torch.
     """What ``out`` is judged against when the call holds ±max, ±inf or NaN: per element the
     oracle ``ref``, or the reference math at the contract's precision (``low``, which may
     overflow where float64 does not) where ``out`` is nearer to it: the same infinity or NaN,
-    or a finite value nearer."""
-    ref, low = ref.detach().to(torch.float64), low.detach().to(out.device).to(torch.float64)
-    o = out.detach().to(torch.float64)
-    same = ~torch.isfinite(low) & ((o == low) | (torch.isnan(o) & torch.isnan(low)))
-    nearer = torch.isfinite(low) & ((o - low).abs() < (o - ref).abs())
-    return torch.where(same, o, torch.where(nearer, low, ref))
+    or a finite value nearer (`kpt.testing.either`)."""
+    return either(out, ref, low)
 
 
 def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, call: tuple, backward: bool) -> None:
@@ -375,10 +369,10 @@ def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, cal
         comparison = compare(name, out, ref, eager_widened(tol, name, low.to(out.device), ref, EAGER_FACTOR))
         if not comparison.ok:
             problems.append(comparison.message)
-    special_ok = special is None or (special in SPECIAL_GRADIENTS and spec.name not in NO_SPECIAL_GRADIENTS)
-    if outs and special_ok and backward and not problems:
+    if outs and (special is None or special in SPECIAL_GRADIENTS) and backward and not problems:
         report = check_backward(backend, spec, args, dtype, torch.Generator().manual_seed(grad_seed),
-                                eager_factor=EAGER_FACTOR)
+                                eager_factor=EAGER_FACTOR,
+                                alternative=ALTERNATIVE_GRADIENTS.get(spec.name) if special else None)
         problems += [f"backward: {report.message}"] if not report.ok else []
     assert not problems, f"{_describe(spec, dtype, special, args)}: {'; '.join(problems)}"
 

@@ -24,12 +24,18 @@ is its reference math's (the float64 oracle), with these rules where that math i
 * What is left out adds nothing, not 0 · inf = NaN: a row that ``cross_entropy`` or
   ``linear_cross_entropy`` ignores has a zero gradient and adds nothing to the weight's and bias's
   gradients, whatever its values; an expert's ``grouped_linear`` gradients see only its own rows
-  and weight. (Attention's causal mask is still open: the reference's dense products carry an inf
-  or NaN into the pairs the mask hides.)
+  and weight.
+* Attention's causal mask allows either: an inf or NaN met only in (query, key) pairs that the
+  mask hides may or may not reach a gradient. Each element of ``dq``, ``dk`` and ``dv`` must equal,
+  by the usual tolerance and these rules, either the reference's value (its dense products carry
+  such a value on as ``0 · inf = NaN``) or the value where the hidden pairs add nothing (what a
+  kernel that skips them gives). The forward has no such choice: ``o`` is the reference's dense
+  ``p · v``, so an inf or NaN in a value row makes its column of ``o`` NaN for the queries it is
+  hidden from too.
 
 The conformance suite fuzzes every kernel with such values against the oracle by these rules,
-forward and backward (``test_fuzz_valid.py``; attention's gradients not yet); a backend whose
-number format has no special values (a fixed-point design) says so in
+forward and backward (``test_fuzz_valid.py``; attention's gradients against both of their
+values); a backend whose number format has no special values (a fixed-point design) says so in
 `kpt.Backend.special_values` and is fuzzed with finite values only.
 """
 

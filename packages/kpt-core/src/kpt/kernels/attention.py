@@ -71,6 +71,14 @@ def validate_attention(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return a
 
 
+def visible_keys(sq: int, skv: int, causal: bool, device: torch.device | str | None = None) -> Tensor:
+    """``[Sq, Skv]`` bool: whether query ``i`` sees key ``j`` (every pair without a causal mask;
+    with one, bottom-right aligned: ``j <= i + Skv - Sq``)."""
+    if not causal:
+        return torch.ones(sq, skv, dtype=torch.bool, device=device)
+    return torch.arange(skv, device=device)[None, :] <= torch.arange(sq, device=device)[:, None] + (skv - sq)
+
+
 def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Masked scores ``[B, Hkv, G, Sq, Skv]`` (compute dtype); q, k grouped as ``[B, Hkv, G|1, S, D]``.
 
@@ -83,13 +91,13 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, T
     kg = k.to(ct)[:, :, None]
     s = (qg @ kg.transpose(-1, -2)) * scale
     if causal:
-        last_key = torch.arange(sq, device=q.device)[:, None] + (skv - sq)
-        s = s.masked_fill(torch.arange(skv, device=q.device)[None, :] > last_key, float("-inf"))
+        s = s.masked_fill(~visible_keys(sq, skv, causal, q.device), float("-inf"))
     return s, qg, kg
 
 
-def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
-    # A query that sees no key has lse = −∞; the clamp turns its −∞ − (−∞) into exp(−∞) = 0.
+def probabilities(s: Tensor, lse: Tensor) -> Tensor:
+    """``p = exp(s − lse)`` for scores ``s`` and their rows' log-sum-exp ``lse`` (one dimension
+    fewer). A query that sees no key has lse = −∞; the clamp turns its −∞ − (−∞) into exp(−∞) = 0."""
     return torch.exp(s - lse.clamp(min=torch.finfo(lse.dtype).min)[..., None])
 
 
@@ -123,7 +131,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
     def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         s, _, _ = _scores(q, k, causal, scale)
         lse = torch.logsumexp(s, -1)
-        o = _probabilities(s, lse) @ v.to(s.dtype)[:, :, None]
+        o = probabilities(s, lse) @ v.to(s.dtype)[:, :, None]
         return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
 
     return _by_chunks(forward, q, k, per_key=(v,))
@@ -136,7 +144,7 @@ def attention_backward(
 
     def backward(q: Tensor, k: Tensor, lse: Tensor, do: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, qg, kg = _scores(q, k, causal, scale)
-        p = _probabilities(s, lse.reshape(s.shape[:-1]))
+        p = probabilities(s, lse.reshape(s.shape[:-1]))
         dog = do.to(s.dtype).reshape(qg.shape)
         vg = v.to(s.dtype)[:, :, None]
         dv = (p.transpose(-1, -2) @ dog).sum(2)

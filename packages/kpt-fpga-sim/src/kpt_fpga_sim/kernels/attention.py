@@ -20,17 +20,10 @@ import math
 
 import torch
 
-from kpt.kernels.attention import visible_pairs
+from kpt.kernels.attention import visible_keys, visible_pairs
 
 from ..hls import Buffer, Design, Loop, region
 from ..sim import Call, current, flops, matmul, zeros
-
-
-def _visible(sq, skv, causal):
-    """``[Sq, Skv]`` bool: may query i read key j (bottom-right aligned causal mask)."""
-    if not causal:
-        return torch.ones(sq, skv, dtype=torch.bool)
-    return torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + (skv - sq)
 
 
 def _grouped(a, q, k, v, causal, scale):
@@ -40,7 +33,7 @@ def _grouped(a, q, k, v, causal, scale):
     qg = a.load(q, "q").reshape(batch, hkv, hq // hkv, sq, d)
     kg, vg = a.load(k, "k")[:, :, None], a.load(v, "v")[:, :, None]
     s = a.cast(qg @ kg.mT * a.const(scale), "scores", a.wide)
-    return qg, kg, vg, s, _visible(sq, skv, causal)
+    return qg, kg, vg, s, visible_keys(sq, skv, causal)
 
 
 def attention_fwd(q, k, v, causal, scale):

@@ -151,6 +151,13 @@ inline bool attention_visible(long i, long j, long sq, long skv, bool causal) {
   return i < sq && j < skv && (!causal || j <= i + skv - sq);
 }
 
+// The log-sum-exp from which the backward recomputes p = exp(s·scale − lse): a query whose visible
+// scores are all −∞ (or that sees no key) has lse = −∞, taken as +∞ so that its p is exactly 0, as
+// the reference's, not exp(−∞ + ∞) = NaN.
+inline float attention_backward_lse(float lse) {
+  return lse == -INFINITY ? INFINITY : lse;
+}
+
 // The backward for dq: one simdgroup per block of 8 queries of one (batch, head), the row statistic
 // delta = rowsum(dO ⊙ O) first (written for attention_bwd_dkv), then over key blocks of 8, with 8×8
 // simdgroup_matrix products over the head dimension (padded to a multiple of 8 with zeros):
@@ -190,7 +197,7 @@ kernel void attention_bwd_dq(device const uchar* q [[buffer(0)]], device const u
     float stat = 0.0f, dl = 0.0f;
     if (i < sq) {
       for (long c = 0; c < d; ++c) dl += load(dout, qbase + i * d + c, xc) * load(o, qbase + i * d + c, xc);
-      stat = lse[bh * sq + i];
+      stat = attention_backward_lse(lse[bh * sq + i]);
       delta[bh * sq + i] = dl;
     }
     rows[lane] = stat;
@@ -298,7 +305,7 @@ kernel void attention_bwd_dkv(device const uchar* q [[buffer(0)]], device const 
       }
       if (lane < 8) {
         bool in = i0 + lane < sq;
-        rows[lane] = in ? lse[qrow + i0 + lane] : 0.0f;
+        rows[lane] = in ? attention_backward_lse(lse[qrow + i0 + lane]) : 0.0f;
         rows[8 + lane] = in ? delta[qrow + i0 + lane] : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
