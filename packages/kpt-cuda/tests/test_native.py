@@ -59,22 +59,59 @@ def test_attention_library_choice():
     assert attention.available() is (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9)
 
 
+def test_fused_kernels_get_aligned_views():
+    """A view at an odd storage offset, or with a row stride that is not 16-byte aligned, is copied
+    before it reaches cuDNN or FlashAttention-2 (on an H100 such a view faulted with "misaligned
+    address"); an aligned view, transposed heads included, goes as it is."""
+    buffer = torch.randn(3 + 2 * 4 * 16 * 64).bfloat16()
+    odd = buffer[3:].view(2, 4, 16, 64)
+    assert odd.data_ptr() % 16
+    copy = attention._fused_layout(odd)
+    assert copy.data_ptr() % 16 == 0 and copy.is_contiguous() and torch.equal(copy, odd)
+    padded = torch.randn(2, 4, 16, 68).bfloat16()[..., 2:66]  # rows 68 apart, data 4 bytes in
+    assert attention._fused_layout(padded).data_ptr() % 16 == 0
+    heads = torch.randn(2, 16, 4, 64).bfloat16().transpose(1, 2)  # [B, S, H, D] as [B, H, S, D]
+    assert attention._fused_layout(heads) is heads
+
+
+@pytest.mark.skipif(not attention.available(), reason="needs a Hopper GPU (cuDNN and FlashAttention-2)")
+def test_misaligned_views_match_the_reference_on_hopper():
+    g = torch.Generator().manual_seed(3)
+
+    def odd_view(*shape):
+        t = torch.randn(5 + torch.Size(shape).numel(), generator=g).bfloat16().cuda()
+        return t[5:].view(*shape).requires_grad_()
+
+    q, k, v = odd_view(1, 4, 64, 64), odd_view(1, 2, 64, 64), odd_view(1, 2, 64, 64)
+    be, ref = kpt.get_backend("cuda"), kpt.get_backend("reference")
+    o = be.attention(q, k, v, causal=True)
+    do = torch.randn(o.shape, generator=g).bfloat16().cuda()
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    expected = ref.attention(*leaves, causal=True)
+    torch.testing.assert_close(o.cpu().double(), expected.detach(), rtol=2e-2, atol=2e-2)
+    for got, want in zip((dq, dk, dv), torch.autograd.grad(expected, leaves, do.cpu().double())):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=5e-2)
+
+
 def test_grouped_linear_in_the_library_matches_the_reference():
-    """bfloat16 with K, N multiples of 8 goes to ``torch._grouped_mm`` (on the CPU here); other
-    operands go to the portable Triton kernel."""
+    """bfloat16 with K, N multiples of 8 goes to ``torch._grouped_mm``; other operands go to the
+    portable Triton kernel. On a GPU if there is one (its Triton kernels take no CPU tensors), else
+    on the CPU through Triton's interpreter."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(20, 16, generator=g).bfloat16()
-    w = (torch.randn(3, 24, 16, generator=g) / 4).bfloat16()
-    offsets = torch.tensor([2, 9, 9, 17], dtype=torch.int32)  # an empty expert; rows 0, 1, 17.. in none
+    xc = torch.randn(20, 16, generator=g).bfloat16()
+    wc = (torch.randn(3, 24, 16, generator=g) / 4).bfloat16()
+    oc = torch.tensor([2, 9, 9, 17], dtype=torch.int32)  # an empty expert; rows 0, 1, 17.. in none
+    dyc = torch.randn(20, 24, generator=g).bfloat16()
+    x, w, offsets, dy = (t.to("cuda" if torch.cuda.is_available() else "cpu") for t in (xc, wc, oc, dyc))
     assert moe.products.grouped_in_library(x, w)
     assert not moe.products.grouped_in_library(x.float(), w.float())
     assert not moe.products.grouped_in_library(x[:, :12], w[:, :, :12])
     (y,) = moe.grouped_linear_fwd(x, offsets, w)
-    expected = kpt.get_backend("reference").grouped_linear(x.double(), offsets, w.double())
-    torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
-    dy = torch.randn(20, 24, generator=g).bfloat16()
+    expected = kpt.get_backend("reference").grouped_linear(xc.double(), oc, wc.double())
+    torch.testing.assert_close(y.cpu().double(), expected, rtol=2e-2, atol=2e-2)
     dx, dw = moe.grouped_linear_bwd(x, offsets, w, y, dy)
-    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-    kpt.get_backend("reference").grouped_linear(xd, offsets, wd).backward(dy.double())
-    torch.testing.assert_close(dx.double(), xd.grad, rtol=2e-2, atol=5e-2)
-    torch.testing.assert_close(dw.double(), wd.grad, rtol=2e-2, atol=5e-2)
+    xd, wd = xc.double().requires_grad_(), wc.double().requires_grad_()
+    kpt.get_backend("reference").grouped_linear(xd, oc, wd).backward(dyc.double())
+    torch.testing.assert_close(dx.cpu().double(), xd.grad, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(dw.cpu().double(), wd.grad, rtol=2e-2, atol=5e-2)

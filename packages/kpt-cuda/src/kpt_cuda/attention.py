@@ -86,8 +86,14 @@ def _causal_mask(q: torch.Tensor, skv: int) -> torch.Tensor:
     return mask.expand(b, h, sq, skv)
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _fused_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the fused kernels read it: the last dimension contiguous, the data and every other
+    stride 16-byte aligned; else a contiguous copy. (A view at an odd storage offset made cuDNN and
+    FlashAttention-2 fault with "misaligned address" on an H100, which ends the CUDA context.)"""
+    vector = 16 // t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % vector == 0 for s in t.stride()[:-1]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +103,7 @@ def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, 
     if library is None:
         return portable.attention_fwd(q, k, v, causal, scale, **tuning)
     causal = causal and q.shape[2] > 1
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (_fused_layout(t) for t in (q, k, v))
     if library == "cudnn":
         o, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     elif library == "cudnn-mask":
@@ -118,8 +124,8 @@ def attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning: Any
         return portable.attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning)
     sq, skv = q.shape[2], k.shape[2]
     causal = causal and sq > 1
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    o, do, lse = o.contiguous(), do.contiguous(), lse.contiguous()
+    q, k, v, o, do = (_fused_layout(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()
     unused = torch.empty((), dtype=torch.int64, device=q.device)
     if library == "cudnn":
         grads = _aten._scaled_dot_product_cudnn_attention_backward(
