@@ -124,7 +124,8 @@ def attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning: Any
         return portable.attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning)
     sq, skv = q.shape[2], k.shape[2]
     causal = causal and sq > 1
-    q, k, v, o, do = (_fused_layout(t) for t in (q, k, v, o, do))
+    q, k, v = (_fused_layout(t) for t in (q, k, v))
+    o, do = (_fused_layout(t.contiguous()) for t in (o, do))  # the backward takes o and dO contiguous
     lse = lse.contiguous()
     unused = torch.empty((), dtype=torch.int64, device=q.device)
     if library == "cudnn":
