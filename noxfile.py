@@ -6,9 +6,10 @@
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
-Supported versions (README.md): constraints/ci.txt pins the oldest triton kpt supports, 3.6, so every
-session but `newest` tests that end of the range, and `newest` the other (`NEWEST`). The oldest torch,
-2.11, is tested on the GPU only: CI cannot install a CPU build of it.
+Supported versions (README.md): constraints/ci.txt pins the oldest triton kpt supports, 3.6, and the
+newest torch, 2.13, so every session but `newest` tests those ends of the ranges, and `newest` the
+newest triton (`NEWEST`). The oldest torch, 2.11, has no CPU build on PyPI: `oldest` (`OLDEST`) runs
+on a machine with an NVIDIA GPU, on the CPU, and CI cannot run it.
 Each conformance session installs kpt-core, the suite (kpt-conformance), one backend package (with
 the packages it builds on) and nothing else, and runs `kpt check` on it.
 """
@@ -111,8 +112,27 @@ def conformance(session: nox.Session, profile: str) -> None:
                 "--xfails", "conformance/xfails", "--", *CUTS.get(profile, ()), *session.posargs, env=env)
 
 
-# the newest releases kpt supports; the rest as constraints/ci.txt pins it (torch: the CPU build of 2.13.0)
+# the newest releases kpt supports; the rest as constraints/ci.txt pins it (torch: the CPU build of
+# 2.13.0, the newest torch the packages declare)
 NEWEST = {"triton": "3.9.0", "numpy": "2.4.6"}
+# the oldest: torch 2.11 has no CPU build on PyPI; its CUDA build runs these tests on the CPU too
+OLDEST = {"torch": "2.11.0", "triton": "3.6.0"}
+
+
+def _release_checks(session: nox.Session, releases: dict[str, str], packages: tuple[str, ...], report: str,
+                    env: dict[str, str]) -> None:
+    """``packages``' unit tests and the cuda backend's conformance in float32 through Triton's
+    interpreter, with ``releases`` pinned over constraints/ci.txt; report in reports/``report``/."""
+    pins = [line for line in Path("constraints/ci.txt").read_text().splitlines() if line.split("==")[0] not in releases]
+    constraints = Path(session.create_tmp()) / "releases.txt"
+    constraints.write_text("\n".join([*pins, *(f"{name}=={version}" for name, version in releases.items())]))
+    editable = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
+    session.install("-c", str(constraints), "pytest", "numpy", "matplotlib", "rich", *editable)
+    env = {"TRITON_INTERPRET": "1", **env}
+    for package in packages:
+        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", env=env)
+    session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--report", f"reports/{report}",
+                "--xfails", "conformance/xfails", env=env)
 
 
 @nox.session
@@ -120,16 +140,18 @@ def newest(session: nox.Session) -> None:
     """The unit tests of the packages that use Triton and the cuda backend's conformance in float32
     through Triton's interpreter, with the `NEWEST` releases (the other packages do not import
     Triton); report in reports/newest-cuda-interpret/."""
-    pins = [line for line in Path("constraints/ci.txt").read_text().splitlines() if line.split("==")[0] not in NEWEST]
-    constraints = Path(session.create_tmp()) / "newest.txt"
-    constraints.write_text("\n".join([*pins, *(f"{name}=={version}" for name, version in NEWEST.items())]))
-    editable = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
-    session.install("-c", str(constraints), "pytest", "numpy", *editable)
-    interpret = {"TRITON_INTERPRET": "1"}
-    for package in ("kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu"):
-        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", env=interpret)
-    session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--report", "reports/newest-cuda-interpret",
-                "--xfails", "conformance/xfails", env=interpret)
+    _release_checks(session, NEWEST, ("kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu"), "newest-cuda-interpret", {})
+
+
+@nox.session(default=False)
+def oldest(session: nox.Session) -> None:
+    """Every package's unit tests and the cuda backend's conformance in float32 through Triton's
+    interpreter, on the CPU, with the `OLDEST` releases; report in reports/oldest-cuda-interpret/.
+    Runs on a machine with an NVIDIA GPU, which it hides: on a CPU machine torch 2.11's only build
+    on PyPI would download gigabytes of CUDA wheels."""
+    if not HAS_NVIDIA_GPU:
+        session.error("torch 2.11 has no CPU build on PyPI: run this session on a machine with an NVIDIA GPU")
+    _release_checks(session, OLDEST, PACKAGES, "oldest-cuda-interpret", {"CUDA_VISIBLE_DEVICES": ""})
 
 
 @nox.session(default=False)

@@ -343,7 +343,21 @@ def test_every_kernel_has_a_rule() -> None:
     assert set(distributed._RULES) == set(kpt.SPECS)
 
 
-@pytest.mark.parametrize("kernel", list(kpt.SPECS))
+TORCH_2_11_MESH = ("rope", "cross_entropy")
+"""Kernels whose backward op has no tensor first argument (rope's q, cross_entropy's logits are not
+kept for it): torch 2.11's DTensor looks for the device mesh in the first argument only and fails
+("Cannot find device mesh from args"); torch 2.13 finds it in any. Seen on torch 2.11.0, CPU, gloo."""
+
+
+def _sharding_marks(kernel: str) -> list:
+    if kernel in TORCH_2_11_MESH and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        return [pytest.mark.xfail(strict=True, reason="the backward op's first argument is not a tensor: torch < 2.13's "
+                                                      "DTensor finds no device mesh (kpt.distributed needs torch 2.13 "
+                                                      "for this kernel's backward on DTensors)")]
+    return []
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(k, marks=_sharding_marks(k)) for k in kpt.SPECS])
 def test_sharding_rules(reports: dict[str, list[str]], kernel: str) -> None:
     ran = [t for t in reports if t.startswith(f"{kernel}[")]
     assert ran or kernel in ("quantize_fp8",), f"no strategy of {kernel} ran"

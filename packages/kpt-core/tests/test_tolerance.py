@@ -95,6 +95,35 @@ def test_a_zero_gradient_is_held_to_the_scale_of_the_inputs() -> None:
     assert not compare("dq", torch.full((4,), 1e-7), torch.zeros(4, dtype=torch.float64), TOL).ok
 
 
+def test_the_floor_is_the_scale_of_a_row_not_of_the_whole_input() -> None:
+    # one key seen by the last of 65 causal queries: dq is a cancellation in 1 row of q's 65 (per
+    # head), and the loss responds through the key's one row of v. An average over all of q's
+    # elements made the floor 65x finer than that row's rounding (1.5e-7 against 4.5e-7 seen).
+    g = torch.Generator().manual_seed(0)
+    args = {"q": torch.randn(1, 2, 65, 32, generator=g), "k": torch.randn(1, 1, 1, 32, generator=g),
+            "v": torch.randn(1, 1, 1, 32, generator=g), "causal": True, "scale": None}
+    spec = kpt.SPECS["attention"]
+    rounded = check_backward(_Perturbed(1e-6), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert rounded.ok, rounded.message
+    wrong = check_backward(_Perturbed(1e-3), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert not wrong.ok and "dq" in wrong.message
+
+
+def test_the_floor_keeps_the_loss_scale_where_a_special_value_makes_the_other_gradients_nan() -> None:
+    # an inf in one query makes its only score +inf: p = NaN (inf − inf), so dv and dk are NaN
+    # throughout and no input's gradient has a finite response left; the outputs' rows still give
+    # the loss's scale
+    g = torch.Generator().manual_seed(0)
+    args = {"q": torch.randn(1, 3, 33, 32, generator=g), "k": torch.randn(1, 1, 1, 32, generator=g),
+            "v": torch.randn(1, 1, 1, 32, generator=g), "causal": False, "scale": None}
+    args["q"][0, 0, 6, 8] = float("inf") * args["k"][0, 0, 0, 8].sign()
+    spec = kpt.SPECS["attention"]
+    rounded = check_backward(_Perturbed(1e-7), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert rounded.ok, rounded.message
+    wrong = check_backward(_Perturbed(3e-2), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert not wrong.ok and "dq" in wrong.message
+
+
 def test_the_floor_leaves_a_small_resolvable_gradient_to_its_own_scale() -> None:
     ref = torch.tensor([1e-3, -2e-3], dtype=torch.float64)
     x = torch.ones(2, dtype=torch.float64)

@@ -61,7 +61,8 @@ def test_imports_without_xpu_support_and_without_ipex(prepare):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _WITHOUT_XPU.format(prepare=prepare)], env=env,
                          capture_output=True, text=True, check=True).stdout
-    assert out.startswith("False torch has no XPU support (a CPU build)"), out
+    # "(a CPU build)" here, "(a CUDA 13.0 build)" on an NVIDIA machine
+    assert out.startswith("False torch has no XPU support (a "), out
 
 
 @pytest.mark.parametrize("arch", [None, "bmg", "lnl", "acm"])

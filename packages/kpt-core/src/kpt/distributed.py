@@ -24,6 +24,10 @@ sharded over a dimension no strategy shards raises `KernelNotSupportedError` nam
 the argument and its placement (DTensor would otherwise gather it without a word). Partial
 inputs are reduced by DTensor first, as for any op.
 
+The backward of ``rope`` and ``cross_entropy`` on DTensors needs torch 2.13: their backward ops
+do not take a tensor first (q and the logits are not kept), and torch 2.11's DTensor looks for the
+device mesh in the first argument only ("Cannot find device mesh from args").
+
 Rules are registered when this module is imported (for every backend bound so far, and for
 every backend bound later), and by `Backend.call` the first time it meets a DTensor, so
 ``backend.rms_norm(dtensor)`` needs no set-up.

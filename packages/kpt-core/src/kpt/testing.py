@@ -273,7 +273,11 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
     report.problems += modified(leaves, before)
     expected = tuple(torch.zeros(leaves[n].shape, dtype=torch.float64, device=leaves[n].device) if e is None else e
                      for n, e in zip(grad_names, expected))
-    response = loss_response({n: oracle[n] for n in grad_names}, dict(zip(grad_names, expected)))
+    # the outputs' own rows too: where an inf or NaN makes every input's gradient NaN (attention's
+    # dv and dk after an inf score), the loss still has a finite scale
+    response = max(loss_response({n: oracle[n] for n in grad_names}, dict(zip(grad_names, expected))),
+                   loss_response({n: o for n, o, g in zip(spec.outputs, ref_outs, grads) if g is not None},
+                                 {n: g for n, g in zip(spec.outputs, grads) if g is not None}))
     eagers = _eager_grads(spec, args, grad_names, grads) if eager_factor else expected
     alternatives = {} if alternative is None else alternative(spec.check((), oracle, oracle_backend().dtypes), upstream)
     for name, g, e, eager in zip(grad_names, got, expected, eagers):
@@ -347,10 +351,16 @@ def _eager_grads(spec: KernelSpec, args: Args, grad_names: Sequence[str],
 
 def loss_response(inputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> float:
     """The largest first-order change of the loss ``L = Σ dy · y`` under a relative change of one
-    input, ``max_x Σ|x · dL/dx|`` (float64, over the finite terms): the scale of what the
-    gradients are for."""
-    return max((float(_finite((inputs[n].detach().to(torch.float64) * g).abs()).sum()) for n, g in grads.items()),
-               default=0.0)
+    row (the last dimension) of one input, ``max_x max_row Σ_row |x · dL/dx|`` (float64, over the
+    finite terms): the scale of what the gradients are for. Given the outputs ``y`` and their
+    upstream gradients ``dy``, the largest row of ``Σ |dy · y|``: the loss's own scale."""
+    return max((float(_row_sums(_finite(inputs[n].detach().to(torch.float64) * g)).max())
+                for n, g in grads.items() if g.numel()), default=0.0)
+
+
+def _row_sums(t: torch.Tensor) -> torch.Tensor:
+    """Σ|t| over each row (the last dimension; a tensor of fewer than two dimensions is one row)."""
+    return t.abs().reshape(-1, t.shape[-1] if t.dim() > 1 else max(t.numel(), 1)).sum(-1)
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
@@ -363,17 +373,23 @@ def gradient_floor(tol: Tolerance, response: float, x: torch.Tensor, ref: torch.
     """``tol`` for the gradient ``ref`` of ``x``, with an absolute floor where the oracle is
     (nearly) all zeros (causal attention with a single key: dq = 0 exactly).
 
-    The gradient's natural scale is ``S = response / Σ|x|`` (`loss_response`): the average gradient
-    at which ``x`` would matter to the loss as much as the input that matters most. Where
+    The gradient's natural scale is ``S = response / (Σ|x| / rows)`` (`loss_response`): the
+    gradient at which an average row of ``x`` would matter to the loss as much as the row of any
+    input that matters most. Rows, not single elements: a gradient's error changes the loss
+    through whole rows (causal attention with one key and 65 queries: the key's row of ``v``
+    matters, and dq is the rounding of a cancellation in the one query that sees it). Where
     ``max|ref| ≤ u · S`` (u the unit roundoff of float32, in which every backend computes; of
     float64 when the ``dtype`` under test is float64) the result is below the rounding of the
     terms that cancel to it, and a bound relative to ``max|ref|`` would demand the oracle's exact
     cancellation: the floor is then ``atol · S``. Elsewhere ``tol`` is unchanged, so a small but
     resolvable gradient (attention scores ×1e-3 make dq small) is still held to its own scale."""
-    total = float(_finite(x.detach().to(torch.float64).abs()).sum())
-    if total == 0 or ref.numel() == 0:
+    if ref.numel() == 0:
         return tol
-    scale = response / total
+    rows = _row_sums(_finite(x.detach().to(torch.float64)))
+    mean_row = float(rows.mean())
+    if mean_row == 0:
+        return tol
+    scale = response / mean_row
     u = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
     if float(_finite(ref.abs()).max()) > u * scale or tol.atol * scale <= tol.abs_floor:
         return tol
