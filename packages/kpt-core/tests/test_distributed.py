@@ -351,9 +351,9 @@ kept for it): torch 2.11's DTensor looks for the device mesh in the first argume
 
 def _sharding_marks(kernel: str) -> list:
     if kernel in TORCH_2_11_MESH and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
-        return [pytest.mark.xfail(strict=True, reason="the backward op's first argument is not a tensor: torch < 2.13's "
-                                                      "DTensor finds no device mesh (kpt.distributed needs torch 2.13 "
-                                                      "for this kernel's backward on DTensors)")]
+        why = ("the backward op's first argument is not a tensor: torch < 2.13's DTensor finds no device mesh "
+               "(kpt.distributed needs torch 2.13 for this kernel's backward on DTensors)")
+        return [pytest.mark.xfail(strict=True, reason=why)]
     return []
 
 
