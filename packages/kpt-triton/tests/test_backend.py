@@ -146,3 +146,20 @@ def test_speed_bars():
     assert be.perf_bar("rms_norm", "fwd").min_ceiling_fraction == 0.6
     assert be.perf_bar("rms_norm", "fwd+bwd").min_ceiling_fraction is None
     assert be.perf_bar("attention", "fwd").min_speedup == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "silu", "relu"])
+def test_torch_products_add_a_float32_bias_beyond_the_dtype_as_the_contract(dtype, activation):
+    """``torch.addmm`` adds the bias in the activations' dtype: float32's ±max (or ±1e5 beside
+    float16) cast alone became ±inf, and gelu(-inf) NaN where the contract's float32 add gives 0
+    (found by CI's fuzzing). Infinite biases stay infinite."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 8, generator=g).to(dtype), (torch.randn(6, 8, generator=g) / 8).to(dtype)
+    big = torch.finfo(torch.float32).max
+    bias = torch.tensor([big, -big, 1e5, -1e5, float("inf"), -float("inf")])
+    y, _ = products.linear_fwd(x, w, bias, activation)
+    ref = kpt.get_backend("reference").linear(x.double(), w.double(), bias.double(), activation=activation)
+    report = kpt.testing.compare("y", y, kpt.testing.either(y, ref, kpt.get_backend("reference").linear(
+        x, w, bias, activation=activation)), kpt.tolerance.default_tolerance(dtype))
+    assert report.ok, report.message

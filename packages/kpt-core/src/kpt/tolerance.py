@@ -21,6 +21,11 @@ gets the floor ``atol · S``, S taken from the inputs' magnitudes and the loss r
 ``max(table, k × the error of the reference math run in the dtype under test)``, both measured as
 the worst error over tolerance (`kpt.testing.eager_widened`).
 
+One rounding the contract permits is allowed per element besides, as its bound: attention's
+backward may take ``rowsum(p ⊙ dp)`` as ``rowsum(dO ⊙ o)`` from ``o`` in the inputs' dtype (as
+FlashAttention does), which moves dq and dk by up to `kpt.testing.attention_rounded_o` — far more
+than their tolerance where the two terms nearly cancel (`kpt.testing.ROUNDING_ALLOWANCES`).
+
 Differences up to the output dtype's spacing near zero (``finfo.tiny * finfo.eps``: float16's
 subnormal step, 6e-8) are not counted: no result stored in that dtype can be closer. Integer
 outputs (indices, offsets) must match exactly.

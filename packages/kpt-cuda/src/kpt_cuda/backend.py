@@ -12,7 +12,6 @@ import types
 
 import torch
 
-from kpt_triton import products
 from kpt_triton.backend import TritonBackend
 
 from . import attention, cross_entropy, device, linear, moe, tuning
@@ -54,6 +53,4 @@ class CudaBackend(TritonBackend):
         values = super().special_values(kernel, dtype)
         if kernel == "attention" and attention in self.native_modules():
             values = tuple(v for v in values if v not in ("inf", "nan"))
-        if linear in self.native_modules():  # torch's products: see the function's reason
-            values = tuple(v for v in values if v not in products.special_values_left_out(kernel, dtype))
         return values

@@ -36,8 +36,6 @@ import triton
 
 import kpt
 
-from . import products
-
 Table = Mapping[str, Mapping[str, Any]]
 """Tuning keywords per launcher name, for one architecture."""
 
@@ -159,12 +157,8 @@ class TritonBackend(kpt.Backend):
 
     def special_values(self, kernel: str, dtype: torch.dtype) -> tuple[str, ...]:
         """All of them, but no bfloat16 subnormals under the interpreter: Triton's interpreter
-        (3.6) converts them to float32 wrongly (2.85e-39 is read as 1.10e-38); GPUs convert exactly.
-        With `torch_products`, ``linear`` leaves out what `kpt_triton.products.special_values_left_out`
-        says, and why."""
+        (3.6) converts them to float32 wrongly (2.85e-39 is read as 1.10e-38); GPUs convert exactly."""
         left_out = {"subnormal"} if interpreted() and dtype == torch.bfloat16 else set()
-        if self.torch_products:
-            left_out |= products.special_values_left_out(kernel, dtype)
         return tuple(s for s in kpt.SPECIAL_VALUES if s not in left_out)
 
     @property

@@ -54,14 +54,19 @@ ACTIVATIONS = {
 H100, and cheaper to launch on a small one (M = 1: 0.058 against 0.158 ms with gelu_tanh)."""
 
 
-def special_values_left_out(kernel: str, dtype: torch.dtype) -> set[str]:
-    """Special values a backend whose ``linear`` is this module's leaves out of that kernel's
-    fuzzing: ±max for 16-bit activations. ``torch.addmm`` adds the bias in the activations' dtype,
-    so a float32 bias beyond their range (float32's max, 3.4e38, beside bfloat16's 3.39e38; or
-    -1e5 beside float16) becomes ±inf before the activation, and gelu(-inf) or silu(-inf) is NaN
-    where the contract's float32 bias add gives 0. Adding such a bias in float32 (an fp32 product
-    output) is the fix, not yet measured on a GPU."""
-    return {"max"} if kernel == "linear" and dtype in (torch.float16, torch.bfloat16) else set()
+def _bias_in(bias: torch.Tensor, dtype: torch.dtype, activation: str | None) -> torch.Tensor:
+    """``bias`` in the activations' ``dtype``, for ``torch.addmm`` (which adds it in that dtype).
+
+    The contract adds a float32 bias in float32: a value beyond the dtype's range stays finite
+    there, and the output overflows only if the activation keeps it large. Cast alone, it becomes
+    ±inf first: fine where the activation keeps it (+inf, or none, or relu), but gelu(-inf) and
+    silu(-inf) are NaN where the contract gives 0. So before those activations a finite bias below
+    the dtype's range is held at its lowest finite value (-inf stays -inf); the activation makes
+    either 0. A float32 bias beside 16-bit activations costs three more small launches there."""
+    if bias.dtype == dtype or activation not in ("gelu", "gelu_tanh", "silu"):
+        return bias.to(dtype)
+    lowest = torch.finfo(dtype).min
+    return torch.where(bias == -float("inf"), bias, bias.clamp(min=lowest)).to(dtype)
 
 
 ACTIVATION_GRADS = {
@@ -81,7 +86,7 @@ def linear_fwd(
     call that needs gradients is differentiated by torch's autograd (`kpt.torch_autograd`), the
     per-call host cost of ``F.linear`` and the activation; `linear_bwd` serves compiled calls."""
     x2 = rows(x)
-    pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias.to(x.dtype), x2, weight.t())
+    pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(_bias_in(bias, x.dtype, activation), x2, weight.t())
     pre = pre.reshape(*x.shape[:-1], weight.shape[0])
     if activation is None:
         return pre, x.new_empty(0)
