@@ -17,8 +17,9 @@ The result must match the float64 oracle within the backend's tolerance, with th
 for special values (`kpt.kernels`, "Special values"): a NaN or infinity of the inputs reaches
 exactly the outputs the reference math carries it to, and an output may be non-finite beyond
 that only where the reference math run at the contract's precision (float32 for the float16,
-bfloat16 and float32 inputs) overflows too, with the same value; where that math overflows and
-float64's does not, the result is open (a sum's order is not fixed). No input may change. The
+bfloat16 and float32 inputs) overflows too, with the same value; an output that a ±max input
+reaches and that overflows in float32 (that math's or the backend's) where float64's does not is
+open (a sum's order is not fixed). No input may change. The
 gradients of the differentiable kernels are checked as well, also with special values
 (`SPECIAL_GRADIENTS`); attention's may match, per element, either the reference's dense products or
 a second oracle in which the pairs its causal mask hides add nothing
@@ -337,15 +338,30 @@ def _describe(spec: kpt.KernelSpec, dtype: torch.dtype, special: str | None, arg
     return f"{spec.name}({', '.join(parts)}) in {dtype}, special values: {special or 'none'}"
 
 
-def _expected(out: torch.Tensor, ref: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+def _expected(out: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, reach: torch.Tensor | None) -> torch.Tensor:
     """What ``out`` is judged against when the call holds ±max, ±inf or NaN: per element the
     oracle ``ref``, or the reference math at the contract's precision (``low``, which may
     overflow where float64 does not) where ``out`` is nearer to it: the same infinity or NaN,
-    or a finite value nearer (`kpt.testing.either`). Where ``low`` overflowed and the oracle is
-    finite, ``out`` itself: the contract leaves the order of a sum open, and another order
-    overflows elsewhere, differently (inf for NaN, −inf for +inf) or not at all."""
-    overflowed = ~torch.isfinite(low.to(out.device)) & torch.isfinite(ref.to(out.device))
-    return torch.where(overflowed, out.detach().to(torch.float64), either(out, ref, low))
+    or a finite value nearer (`kpt.testing.either`). With ±max, where an output the ±max values
+    ``reach`` overflows in float32 (``low`` or ``out`` is inf or NaN) and the oracle is finite,
+    ``out`` itself: the contract leaves the order of a sum open, and another order overflows
+    elsewhere, differently (inf for NaN) or not at all."""
+    expected = either(out, ref, low)
+    if reach is None:
+        return expected
+    o = out.detach().to(torch.float64)
+    low, ref = low.to(o.device), ref.to(o.device)
+    overflowed = reach.to(o.device) & torch.isfinite(ref) & ~(torch.isfinite(low) & torch.isfinite(o))
+    return torch.where(overflowed, o, expected)
+
+
+def _reach_of_max(oracle: kpt.Backend, spec: kpt.KernelSpec, args: dict) -> tuple[torch.Tensor, ...]:
+    """Per output, which elements depend on an input's ±max: the oracle with those values as NaN."""
+    def as_nan(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dtype in FP8:
+            return to_oracle(v)
+        return torch.where(v.abs() == torch.finfo(v.dtype).max, float("nan"), to_oracle(v))
+    return tuple(torch.isnan(t) for t in as_tuple(oracle.call(spec.name, **{k: as_nan(v) for k, v in args.items()})))
 
 
 def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, call: tuple, backward: bool) -> None:
@@ -362,13 +378,14 @@ def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, cal
     oracle = oracle_backend()
     refs = as_tuple(oracle.call(spec.name, **{k: to_oracle(v) for k, v in args.items()})) if outs else ()
     lows = as_tuple(oracle.call(spec.name, **args)) if outs else ()
-    for name, out, ref, low in zip(spec.outputs, outs, refs, lows):
+    reaches = _reach_of_max(oracle, spec, args) if outs and special == "max" else (None,) * len(outs)
+    for name, out, ref, low, reach in zip(spec.outputs, outs, refs, lows, reaches):
         if not out.is_contiguous():
             problems.append(f"output '{name}' is not contiguous")
         if out.dtype != low.dtype:
             problems.append(f"output '{name}' has dtype {out.dtype}, expected {low.dtype}")
         if special in OVERFLOWING and out.is_floating_point() and ref.is_floating_point():
-            ref = _expected(out, ref, low)
+            ref = _expected(out, ref, low, reach)
         tol = tolerance_for(backend, spec.name, dtype, out, 1.0, args, name)
         comparison = compare(name, out, ref, eager_widened(tol, name, low.to(out.device), ref, EAGER_FACTOR))
         if not comparison.ok:

@@ -19,9 +19,9 @@ is its reference math's (the float64 oracle), with these rules where that math i
   (a square, a sum of squares, a product, ``x + residual``) overflows float32 for ±max inputs, a
   kernel may return what that float32 computation gives (inf, NaN, or 0 after an infinite
   denominator) instead of the float64 oracle's value; nowhere else. The order of a sum is not
-  fixed, so where it overflows (float32 in the reference's order gives inf or NaN where the
-  oracle is finite) the result is open: another order overflows differently (−inf where torch
-  gets inf − inf = NaN) or not at all.
+  fixed, so an output that depends on a ±max input and overflows in float32 where the oracle is
+  finite — in the reference's order or in the kernel's — is open: another order overflows
+  differently (−inf where torch gets inf − inf = NaN) or not at all.
 * Subnormal inputs are values like any other (no flush to zero in the inputs' dtype); signed
   zeros compare equal.
 * What is left out adds nothing, not 0 · inf = NaN: a row that ``cross_entropy`` or
