@@ -61,12 +61,13 @@ def _bias_in(bias: torch.Tensor, dtype: torch.dtype, activation: str | None) -> 
     there, and the output overflows only if the activation keeps it large. Cast alone, it becomes
     ±inf first: fine where the activation keeps it (+inf, or none, or relu), but gelu(-inf) and
     silu(-inf) are NaN where the contract gives 0. So before those activations a finite bias below
-    the dtype's range is held at its lowest finite value (-inf stays -inf); the activation makes
-    either 0. A float32 bias beside 16-bit activations costs three more small launches there."""
+    the dtype's range is held at its lowest finite value (-inf and NaN stay; a selection, not a
+    clamp, whose gradient would drop NaN's); the activation makes either 0, and its gradient too.
+    A float32 bias beside 16-bit activations costs four more small launches there."""
     if bias.dtype == dtype or activation not in ("gelu", "gelu_tanh", "silu"):
         return bias.to(dtype)
     lowest = torch.finfo(dtype).min
-    return torch.where(bias == -float("inf"), bias, bias.clamp(min=lowest)).to(dtype)
+    return torch.where(torch.isfinite(bias) & (bias < lowest), lowest, bias).to(dtype)
 
 
 ACTIVATION_GRADS = {
