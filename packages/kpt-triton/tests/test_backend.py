@@ -153,15 +153,16 @@ def test_speed_bars():
 def test_torch_products_add_a_float32_bias_beyond_the_dtype_as_the_contract(dtype, activation):
     """``torch.addmm`` adds the bias in the activations' dtype: float32's ±max (or ±1e5 beside
     float16) cast alone became ±inf, and gelu(-inf) NaN where the contract's float32 add gives 0
-    (found by CI's fuzzing). Infinite biases stay infinite."""
+    (found by CI's fuzzing). The products add a float32 bias in float32 now."""
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(4, 8, generator=g).to(dtype), (torch.randn(6, 8, generator=g) / 8).to(dtype)
     big = torch.finfo(torch.float32).max
     bias = torch.tensor([big, -big, 1e5, -1e5, float("inf"), -float("inf")])
     y, _ = products.linear_fwd(x, w, bias, activation)
     # the bias's gradient through the eager autograd path keeps the reference's NaN (where act'(NaN)
-    # is NaN; a clamp would have made it 0)
-    nan_bias = torch.tensor([float("nan"), -big, 1.0]).requires_grad_()
+    # is NaN); -1e5 is beyond float16's range (±max is not fuzzed in gradients: gelu_tanh' of
+    # -3.4e38 overflows float32, which the contract allows)
+    nan_bias = torch.tensor([float("nan"), -1e5, 1.0]).requires_grad_()
     dbias, = torch.autograd.grad(products.linear_fwd(x, w[:3], nan_bias, activation)[0].sum(), nan_bias)
     ref_bias = nan_bias.detach().double().requires_grad_()
     ref_y = kpt.get_backend("reference").linear(x.double(), w[:3].double(), ref_bias, activation=activation)
@@ -171,3 +172,17 @@ def test_torch_products_add_a_float32_bias_beyond_the_dtype_as_the_contract(dtyp
     report = kpt.testing.compare("y", y, kpt.testing.either(y, ref, kpt.get_backend("reference").linear(
         x, w, bias, activation=activation)), kpt.tolerance.default_tolerance(dtype))
     assert report.ok, report.message
+
+
+def test_torch_products_add_a_float32_bias_in_float32():
+    """x · w = 1 and a float32 bias of -1 + 2^-12: the contract's pre-activation is 2^-12 > 0, so
+    relu passes it and its gradient; the bias rounded to bfloat16 first (-1) made it 0 (found by
+    the fuzzing: dx and dweight off where relu' changed)."""
+    x = torch.ones(1, 1, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(1, 1, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.tensor([-1.0 + 2.0**-12], requires_grad=True)
+    y, pre = products.linear_fwd(x, w, bias, "relu")
+    assert float(y) == 2.0**-12 and float(pre) == 2.0**-12
+    dx, dw, db = torch.autograd.grad(y, (x, w, bias), torch.ones_like(y))
+    assert float(dx) == float(dw) == float(db) == 1.0
+    assert products.linear_bwd(x, w, bias, "relu", y, pre, torch.ones_like(y))[0].item() == 1.0

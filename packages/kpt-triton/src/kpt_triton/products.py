@@ -1,7 +1,9 @@
 """Matrix products through torch (the vendor's BLAS library: hipBLASLt, cuBLASLt, oneDNN) in place of
 kpt-triton's Triton GEMMs, for a backend that opts in with `TritonBackend.torch_products`.
 
-    linear:          pre = x · weightᵀ + bias              torch.addmm (bias in the library's epilogue)
+    linear:          pre = x · weightᵀ + bias              torch.addmm (bias in the library's epilogue;
+                                                           a float32 bias beside 16-bit x: a float32
+                                                           product, then the bias in float32)
                      y   = act(pre)                        one pass of torch's pointwise kernel
     grouped_linear:  y[rows of e] = x[rows of e] · weight[e]ᵀ, 0 on the rows of no expert
 
@@ -23,6 +25,8 @@ there reaches no expert's gradient.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,20 +58,30 @@ ACTIVATIONS = {
 H100, and cheaper to launch on a small one (M = 1: 0.058 against 0.158 ms with gelu_tanh)."""
 
 
-def _bias_in(bias: torch.Tensor, dtype: torch.dtype, activation: str | None) -> torch.Tensor:
-    """``bias`` in the activations' ``dtype``, for ``torch.addmm`` (which adds it in that dtype).
+class _Float32Product(torch.autograd.Function):
+    """``x2 · weightᵀ`` of 16-bit operands written in float32 by the library's GEMM
+    (``torch.mm(..., out_dtype=torch.float32)``, CUDA and ROCm builds; torch has no derivative for
+    it): the backward's products in the operands' dtype, as `linear_bwd`'s."""
 
-    The contract adds a float32 bias in float32: a value beyond the dtype's range stays finite
-    there, and the output overflows only if the activation keeps it large. Cast alone, it becomes
-    ±inf first: fine where the activation keeps it (+inf, or none, or relu), but gelu(-inf) and
-    silu(-inf) are NaN where the contract gives 0. So before those activations a finite bias below
-    the dtype's range is held at its lowest finite value (-inf and NaN stay; a selection, not a
-    clamp, whose gradient would drop NaN's); the activation makes either 0, and its gradient too.
-    A float32 bias beside 16-bit activations costs four more small launches there."""
-    if bias.dtype == dtype or activation not in ("gelu", "gelu_tanh", "silu"):
-        return bias.to(dtype)
-    lowest = torch.finfo(dtype).min
-    return torch.where(torch.isfinite(bias) & (bias < lowest), lowest, bias).to(dtype)
+    @staticmethod
+    def forward(ctx: Any, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x2, weight)
+        return torch.mm(x2, weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x2, weight = ctx.saved_tensors
+        grad = grad.to(x2.dtype)
+        return (torch.mm(grad, weight) if ctx.needs_input_grad[0] else None,
+                torch.mm(grad.t(), x2) if ctx.needs_input_grad[1] else None)
+
+
+def _product_in_float32(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2 · weightᵀ`` with a float32 result: the library's GEMM writing float32 where torch has
+    one (`_Float32Product`), else float32 copies (the CPU, where only the interpreter profiles run)."""
+    if x2.is_cuda and x2.dtype != torch.float32:
+        return _Float32Product.apply(x2, weight)
+    return torch.mm(x2.float(), weight.float().t())
 
 
 ACTIVATION_GRADS = {
@@ -86,9 +100,18 @@ def linear_fwd(
     """Returns ``(y, pre)`` as `kpt_triton.linear.linear_fwd` does. Torch operations only: an eager
     call that needs gradients is differentiated by torch's autograd (`kpt.torch_autograd`), the
     per-call host cost of ``F.linear`` and the activation; `linear_bwd` serves compiled calls."""
-    x2 = rows(x)
-    pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(_bias_in(bias, x.dtype, activation), x2, weight.t())
-    pre = pre.reshape(*x.shape[:-1], weight.shape[0])
+    x2, shape = rows(x), (*x.shape[:-1], weight.shape[0])
+    if bias is not None and bias.dtype != x.dtype:
+        # a float32 bias beside 16-bit activations: added in float32 to a float32 product, the
+        # activation on that, as the contract does (``torch.addmm`` would round the bias to the
+        # activations' dtype first: -max became -inf, gelu(-inf) NaN; a pre-activation near 0
+        # changed sign, and relu' with it)
+        pre32 = _product_in_float32(x2, weight) + bias
+        pre = pre32.to(x.dtype).reshape(shape)
+        if activation is None:
+            return pre, x.new_empty(0)
+        return ACTIVATIONS[activation](pre32).to(x.dtype).reshape(shape), pre
+    pre = (torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())).reshape(shape)
     if activation is None:
         return pre, x.new_empty(0)
     return ACTIVATIONS[activation](pre), pre
