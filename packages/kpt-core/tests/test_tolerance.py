@@ -99,29 +99,31 @@ def test_the_floor_is_the_scale_of_a_row_not_of_the_whole_input() -> None:
     # one key seen by the last of 65 causal queries: dq is a cancellation in 1 row of q's 65 (per
     # head), and the loss responds through the key's one row of v. An average over all of q's
     # elements made the floor 65x finer than that row's rounding (1.5e-7 against 4.5e-7 seen).
-    g = torch.Generator().manual_seed(0)
-    args = {"q": torch.randn(1, 2, 65, 32, generator=g), "k": torch.randn(1, 1, 1, 32, generator=g),
-            "v": torch.randn(1, 1, 1, 32, generator=g), "causal": True, "scale": None}
-    spec = kpt.SPECS["attention"]
-    rounded = check_backward(_Perturbed(1e-6), spec, args, torch.float32, torch.Generator().manual_seed(1))
-    assert rounded.ok, rounded.message
-    wrong = check_backward(_Perturbed(1e-3), spec, args, torch.float32, torch.Generator().manual_seed(1))
-    assert not wrong.ok and "dq" in wrong.message
+    _assert_dq_floor(_one_key_args(query_heads=2, queries=65, causal=True), rounding=1e-6, wrong=1e-3)
 
 
 def test_the_floor_keeps_the_loss_scale_where_a_special_value_makes_the_other_gradients_nan() -> None:
     # an inf in one query makes its only score +inf: p = NaN (inf − inf), so dv and dk are NaN
     # throughout and no input's gradient has a finite response left; the outputs' rows still give
     # the loss's scale
-    g = torch.Generator().manual_seed(0)
-    args = {"q": torch.randn(1, 3, 33, 32, generator=g), "k": torch.randn(1, 1, 1, 32, generator=g),
-            "v": torch.randn(1, 1, 1, 32, generator=g), "causal": False, "scale": None}
+    args = _one_key_args(query_heads=3, queries=33, causal=False)
     args["q"][0, 0, 6, 8] = float("inf") * args["k"][0, 0, 0, 8].sign()
+    _assert_dq_floor(args, rounding=1e-7, wrong=3e-2)
+
+
+def _one_key_args(query_heads: int, queries: int, causal: bool) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"q": torch.randn(1, query_heads, queries, 32, generator=g), "k": torch.randn(1, 1, 1, 32, generator=g),
+            "v": torch.randn(1, 1, 1, 32, generator=g), "causal": causal, "scale": None}
+
+
+def _assert_dq_floor(args: dict, rounding: float, wrong: float) -> None:
+    """An error of ``rounding`` in dq passes the floor, one of ``wrong`` does not."""
     spec = kpt.SPECS["attention"]
-    rounded = check_backward(_Perturbed(1e-7), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    rounded = check_backward(_Perturbed(rounding), spec, args, torch.float32, torch.Generator().manual_seed(1))
     assert rounded.ok, rounded.message
-    wrong = check_backward(_Perturbed(3e-2), spec, args, torch.float32, torch.Generator().manual_seed(1))
-    assert not wrong.ok and "dq" in wrong.message
+    off = check_backward(_Perturbed(wrong), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert not off.ok and "dq" in off.message
 
 
 def test_the_floor_leaves_a_small_resolvable_gradient_to_its_own_scale() -> None:
