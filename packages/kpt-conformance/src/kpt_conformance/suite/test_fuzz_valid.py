@@ -350,7 +350,7 @@ def _expected(out: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, reach: to
     if reach is None:
         return expected
     o = out.detach().to(torch.float64)
-    low, ref = low.to(o.device), ref.to(o.device)
+    low, ref = low.to(o.device, torch.float64), ref.to(o.device, torch.float64)  # float8 has no isfinite
     overflowed = reach.to(o.device) & torch.isfinite(ref) & ~(torch.isfinite(low) & torch.isfinite(o))
     return torch.where(overflowed, o, expected)
 
