@@ -79,7 +79,7 @@ class _Float32Product(torch.autograd.Function):
 def _product_in_float32(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x2 · weightᵀ`` with a float32 result: the library's GEMM writing float32 where torch has
     one (`_Float32Product`), else float32 copies (the CPU, where only the interpreter profiles run)."""
-    if x2.is_cuda and x2.dtype != torch.float32:
+    if x2.is_cuda:
         return _Float32Product.apply(x2, weight)
     return torch.mm(x2.float(), weight.float().t())
 

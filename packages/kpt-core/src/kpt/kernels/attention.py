@@ -106,7 +106,7 @@ SCORES_PER_CHUNK = 1 << 27
 problem is computed by batch entries and groups of key/value heads, one after another."""
 
 
-def _by_chunks(fn: Callable[..., tuple[Tensor, ...]], q: Tensor, k: Tensor, *per_query: Tensor,
+def by_chunks(fn: Callable[..., tuple[Tensor, ...]], q: Tensor, k: Tensor, *per_query: Tensor,
                per_key: tuple[Tensor, ...] = ()) -> tuple[Tensor, ...]:
     """``fn(q, k, *per_query, *per_key)`` on slices of batch entries and key/value heads, with
     the results (laid out like q, then like k) concatenated back; one call when it is small."""
@@ -134,7 +134,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         o = probabilities(s, lse) @ v.to(s.dtype)[:, :, None]
         return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
 
-    return _by_chunks(forward, q, k, per_key=(v,))
+    return by_chunks(forward, q, k, per_key=(v,))
 
 
 def attention_backward(
@@ -154,7 +154,7 @@ def attention_backward(
         dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
         return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    return _by_chunks(backward, q, k, lse, do, per_key=(v,))
+    return by_chunks(backward, q, k, lse, do, per_key=(v,))
 
 
 def visible_pairs(sq: int, skv: int, causal: bool) -> int:
