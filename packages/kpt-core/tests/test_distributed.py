@@ -9,6 +9,7 @@ communicate nothing and to leave its outputs placed as the strategy says.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import tempfile
@@ -308,6 +309,7 @@ def _check_compiled(be: kpt.Backend, mesh: Any) -> None:
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    faulthandler.enable()  # a crash prints each thread's Python stack to the test's stderr
     torch.set_num_threads(1)
     os.environ["KPT_CHECK_VALUES"] = "0"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -320,6 +322,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         except Exception:
             results[test_id] = traceback.format_exc(limit=6)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    # no rank tears its connections down while another may still read from them: gloo aborts the
+    # process (SIGABRT) on a peer that closed mid-transfer
+    dist.barrier()
     dist.destroy_process_group()
 
 

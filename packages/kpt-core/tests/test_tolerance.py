@@ -202,3 +202,70 @@ def test_attention_may_take_its_row_sums_from_o_in_the_inputs_dtype() -> None:
     allowance = attention_rounded_o(args, {"do": do}, torch.bfloat16)
     for name, exact in zip("qk", torch.autograd.grad(o, (q, k), do)):
         assert not compare(f"d{name}", exact * 1.05, exact, tol, allowance[name]).ok, name
+
+
+def _linear_gradients(x: torch.Tensor, w: torch.Tensor, dpre: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"x": dpre @ w, "weight": dpre.T @ x, "bias": dpre.sum(0)}
+
+
+def test_linear_may_round_dpre_to_the_inputs_dtype() -> None:
+    # dbias of five rows whose dpre nearly cancel: dpre rounded to float16 (the operand of the
+    # float16 products, as eager and every fused kernel take it) moves dbias beyond the table
+    from kpt.kernels.linear import activation_grad
+    from kpt.testing import linear_rounded_dpre
+
+    tol = kpt.tolerance.default_tolerance(torch.float16)
+    beyond_the_table = 0
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((5, 64), (2, 64), (2,)))
+        w /= 8
+        pre = x @ w.T + b
+        grad = activation_grad("gelu_tanh")(pre)
+        dy = torch.randn(5, 2, generator=g, dtype=torch.float64)
+        dy[4] = -(dy[:4] * grad[:4]).sum(0) / grad[4] * (1 + 1e-3)  # the last row cancels the others
+        dpre = dy * grad
+        exact, rounded = _linear_gradients(x, w, dpre), _linear_gradients(x, w, dpre.half().double())
+        allowance = linear_rounded_dpre({"x": x, "weight": w, "bias": b, "activation": "gelu_tanh"}, {"dy": dy},
+                                        torch.float16)
+        for name in exact:
+            assert compare(f"d{name}", rounded[name], exact[name], tol, allowance[name]).ok, (seed, name)
+        beyond_the_table += not compare("dbias", rounded["bias"], exact["bias"], tol).ok
+    assert beyond_the_table > 30  # the cases need the allowance
+    # where nothing cancels, the allowance is a small part of the gradient: 1% off fails
+    dpre = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    x, w = torch.randn(64, 48, generator=g, dtype=torch.float64), torch.randn(32, 48, generator=g, dtype=torch.float64)
+    allowance = linear_rounded_dpre({"x": x, "weight": w, "bias": torch.zeros(32, dtype=torch.float64),
+                                     "activation": None}, {"dy": dpre}, torch.float16)
+    for name, exact in _linear_gradients(x, w, dpre).items():
+        assert not compare(f"d{name}", exact * 1.01, exact, tol, allowance[name]).ok, name
+
+
+def test_linear_relu_may_take_either_side_of_its_kink() -> None:
+    # a pre-activation below float32's smallest normal (a subnormal bias beside a row of zeros, which
+    # a kernel that flushes subnormals takes as 0) or within the accumulation's rounding of 0
+    from kpt.testing import linear_rounded_dpre
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 16, generator=g, dtype=torch.float64), torch.randn(3, 16, generator=g, dtype=torch.float64)
+    x[0] = 0.0
+    b = torch.tensor([1e-39, 0.5, -0.25], dtype=torch.float64)
+    b[2] = -(x[1] @ w[2]) + 1e-9 * (x[1].abs() @ w[2].abs())  # pre[1, 2] = 1e-9 of its terms' sum, > 0
+    pre = x @ w.T + b
+    dy = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    dy[0, 0] = dy[1, 2] = 2.0
+    exact = _linear_gradients(x, w, dy * (pre > 0))
+    allowance = linear_rounded_dpre({"x": x, "weight": w, "bias": b, "activation": "relu"}, {"dy": dy}, torch.bfloat16)
+    tol = kpt.tolerance.default_tolerance(torch.bfloat16)
+    for flushed in ((0, 0), (1, 2)):
+        kink = pre > 0
+        kink[flushed] = False
+        got = _linear_gradients(x, w, dy * kink)
+        assert not compare("dx", got["x"], exact["x"], tol).ok, flushed  # the flip's row of dx is far off
+        for name in got:
+            assert compare(f"d{name}", got[name], exact[name], tol, allowance[name]).ok, (flushed, name)
+    # a pre-activation clearly away from 0 may not change side
+    wrong = pre > 0
+    wrong[2, 1] = not bool(wrong[2, 1])
+    assert not all(compare(f"d{n}", got, exact[n], tol, allowance[n]).ok
+                   for n, got in _linear_gradients(x, w, dy * wrong).items())

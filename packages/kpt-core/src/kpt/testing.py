@@ -24,8 +24,9 @@ import torch
 
 from .backend import Backend
 from .kernels.attention import by_chunks, probabilities, visible_keys
+from .kernels.linear import activation_grad as linear_activation_grad
 from .ops import as_tuple
-from .spec import Args, KernelSpec
+from .spec import Args, KernelSpec, rows
 from .tolerance import Tolerance, default_tolerance
 
 _EXACT_FLOAT = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -373,14 +374,59 @@ def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
     return {"q": dq, "k": dk}
 
 
+def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Linear's `RoundingAllowance`: what rounding ``dpre = dy ⊙ act'(pre)`` to the inputs'
+    ``dtype`` (the operand of the products ``dx = dpre · weight`` and ``dweight = dpreᵀ · x`` in
+    that dtype, and of dbias's sum) moves the gradients by, and for relu which side of its kink a
+    pre-activation within the forward's rounding of 0 falls on (`kpt.tolerance`).
+
+    Each ``dpre`` element carries up to ``u · |dpre|`` (u the unit roundoff of ``dtype``), a
+    rounding of standard deviation at most ``u · |dpre| / √3``; a sum of such terms moves by at most
+    the sum of their bounds and, their signs independent, by three standard deviations of the sum
+    at most ``√3 · u · ‖terms‖₂``: the smaller of the two is allowed, for ``dbias_j`` (terms
+    ``dpre_ij``), ``dx_ik`` (``dpre_ij · weight_jk``) and ``dweight_jk`` (``dpre_ij · x_ik``) — far
+    beyond a bound relative to the result where its terms nearly cancel (dbias of a few rows), a
+    small part of it elsewhere.
+
+    relu' jumps from 0 to 1 at 0: a pre-activation within ``K · u_acc · Σ_k |x_ik · weight_jk|``
+    of 0 (the float32 accumulation's bound; u_acc of float64 for float64), below float32's smallest
+    normal (flushed to zero) or below the dtype's smallest subnormal (rounded to zero) may take
+    either derivative, which moves the gradients by ``|dy_ij|`` times its row of weight or x, in
+    full.
+    Float64 from the oracle's checked arguments (x, weight, bias, activation) and ``{"dy": dy}``."""
+    x, w = (_finite(t.detach().to(torch.float64)) for t in (rows(args["x"]), args["weight"]))
+    dy = _finite(rows(upstream["dy"]).detach().to(torch.float64))
+    bias, activation = args["bias"], args["activation"]
+    pre = x @ w.T + (0.0 if bias is None else _finite(bias.detach().to(torch.float64)))
+    dpre = dy if activation is None else _finite(dy * linear_activation_grad(activation)(pre))
+    e = torch.finfo(dtype).eps / 2 * dpre.abs()
+
+    def summed(bounds: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        # a sum of roundings: the sum of their bounds, or three deviations if that is less
+        return torch.minimum(bounds, math.sqrt(3) * squares.sqrt())
+
+    dx = summed(e @ w.abs(), e.square() @ w.square())
+    dw = summed(e.T @ x.abs(), e.square().T @ x.square())
+    db = summed(e.sum(0), e.square().sum(0))
+    if activation == "relu":
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        zero = max(torch.finfo(acc).tiny, torch.finfo(dtype).tiny * torch.finfo(dtype).eps)
+        band = x.shape[-1] * torch.finfo(acc).eps / 2 * (x.abs() @ w.abs().T) + zero
+        either_side = torch.where(pre.abs() <= band, dy.abs(), 0.0)
+        dx, dw, db = dx + either_side @ w.abs(), dw + either_side.T @ x.abs(), db + either_side.sum(0)
+    allowance = {"x": dx.reshape(args["x"].shape), "weight": dw}
+    return allowance if bias is None else {**allowance, "bias": db}
+
+
 RoundingAllowance = Callable[[Args, Args, torch.dtype], dict[str, torch.Tensor]]
 """Per-element absolute error a kernel's gradients may carry beyond the tolerance, from a rounding
 that the contract permits and a bound relative to the result cannot hold (it is amplified where
 terms cancel): called with the checked float64 arguments of the oracle, the upstream gradients
 and the dtype under test, it returns float64 allowances by input name."""
 
-ROUNDING_ALLOWANCES: dict[str, RoundingAllowance] = {"attention": attention_rounded_o}
-"""The kernels whose gradients `check_backward` allows a contract-permitted rounding, and its bound."""
+ROUNDING_ALLOWANCES: dict[str, RoundingAllowance] = {"attention": attention_rounded_o, "linear": linear_rounded_dpre}
+"""The kernels whose gradients `check_backward` allows a contract-permitted rounding, and its bound:
+attention's row sums from a rounded ``o``, linear's rounded ``dpre`` and relu's kink."""
 
 ALTERNATIVE_GRADIENTS: dict[str, AlternativeGradients] = {"attention": attention_hidden_pairs_add_nothing}
 """The kernels whose gradients with special values the contract allows two ways, and the second

@@ -21,10 +21,14 @@ gets the floor ``atol · S``, S taken from the inputs' magnitudes and the loss r
 ``max(table, k × the error of the reference math run in the dtype under test)``, both measured as
 the worst error over tolerance (`kpt.testing.eager_widened`).
 
-One rounding the contract permits is allowed per element besides, as its bound: attention's
-backward may take ``rowsum(p ⊙ dp)`` as ``rowsum(dO ⊙ o)`` from ``o`` in the inputs' dtype (as
-FlashAttention does), which moves dq and dk by up to `kpt.testing.attention_rounded_o` — far more
-than their tolerance where the two terms nearly cancel (`kpt.testing.ROUNDING_ALLOWANCES`).
+Roundings the contract permits are allowed per element besides, as their bound
+(`kpt.testing.ROUNDING_ALLOWANCES`), each far more than the tolerance where terms nearly cancel:
+attention's backward may take ``rowsum(p ⊙ dp)`` as ``rowsum(dO ⊙ o)`` from ``o`` in the inputs'
+dtype (as FlashAttention does), which moves dq and dk (`kpt.testing.attention_rounded_o`);
+linear's backward may round ``dpre = dy ⊙ act'(pre)`` to the inputs' dtype (the operand of its
+products, as eager does), which moves dx, dweight and dbias, and relu's derivative may take either
+side of its kink where the pre-activation is within the forward's rounding of 0
+(`kpt.testing.linear_rounded_dpre`).
 
 Differences up to the output dtype's spacing near zero (``finfo.tiny * finfo.eps``: float16's
 subnormal step, 6e-8) are not counted: no result stored in that dtype can be closer. Integer

@@ -55,6 +55,11 @@ _ACTIVATIONS: dict[str, tuple[Pointwise, Pointwise]] = {
 ACTIVATIONS = (None, *_ACTIVATIONS)
 
 
+def activation_grad(activation: str) -> Pointwise:
+    """The derivative of a fused activation, as the reference's backward takes it."""
+    return _ACTIVATIONS[activation][1]
+
+
 def linear(
     x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None
 ) -> Tensor:
