@@ -241,31 +241,43 @@ def test_linear_may_round_dpre_to_the_inputs_dtype() -> None:
         assert not compare(f"d{name}", exact * 1.01, exact, tol, allowance[name]).ok, name
 
 
-def test_linear_relu_may_take_either_side_of_its_kink() -> None:
-    # a pre-activation below float32's smallest normal (a subnormal bias beside a row of zeros, which
-    # a kernel that flushes subnormals takes as 0) or within the accumulation's rounding of 0
-    from kpt.testing import linear_rounded_dpre
+def test_linear_relu_takes_its_forwards_side_of_the_kink() -> None:
+    # pre-activations within the forward's rounding of 0 — a subnormal bias beside a row of zeros
+    # (flushed to 0 by a kernel), one within bfloat16's rounding of its terms (a split reduction
+    # rounded to bfloat16) — may take either derivative, but the one the forward's y shows
+    from kpt.testing import linear_relu_kernel_side
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 16, generator=g, dtype=torch.float64), torch.randn(3, 16, generator=g, dtype=torch.float64)
     x[0] = 0.0
     b = torch.tensor([1e-39, 0.5, -0.25], dtype=torch.float64)
-    b[2] = -(x[1] @ w[2]) + 1e-9 * (x[1].abs() @ w[2].abs())  # pre[1, 2] = 1e-9 of its terms' sum, > 0
+    b[2] = -(x[1] @ w[2]) + 1e-3 * (x[1].abs() @ w[2].abs())  # pre[1, 2]: 1e-3 of its terms' sum, > 0
     pre = x @ w.T + b
     dy = torch.randn(4, 3, generator=g, dtype=torch.float64)
-    dy[0, 0] = dy[1, 2] = 2.0
+    dy[0, 0] = dy[1, 2] = dy[2, 1] = 2.0
+    args = {"x": x, "weight": w, "bias": b, "activation": "relu"}
     exact = _linear_gradients(x, w, dy * (pre > 0))
-    allowance = linear_rounded_dpre({"x": x, "weight": w, "bias": b, "activation": "relu"}, {"dy": dy}, torch.bfloat16)
     tol = kpt.tolerance.default_tolerance(torch.bfloat16)
-    for flushed in ((0, 0), (1, 2)):
-        kink = pre > 0
-        kink[flushed] = False
-        got = _linear_gradients(x, w, dy * kink)
-        assert not compare("dx", got["x"], exact["x"], tol).ok, flushed  # the flip's row of dx is far off
-        for name in got:
-            assert compare(f"d{name}", got[name], exact[name], tol, allowance[name]).ok, (flushed, name)
-    # a pre-activation clearly away from 0 may not change side
-    wrong = pre > 0
-    wrong[2, 1] = not bool(wrong[2, 1])
-    assert not all(compare(f"d{n}", got, exact[n], tol, allowance[n]).ok
-                   for n, got in _linear_gradients(x, w, dy * wrong).items())
+
+    def judged(forward_flips: list[tuple[int, int]], backward_flips: list[tuple[int, int]]) -> bool:
+        y_side, grad_side = pre > 0, pre > 0
+        for place in forward_flips:
+            y_side[place] = not bool(y_side[place])
+        for place in backward_flips:
+            grad_side[place] = not bool(grad_side[place])
+        y = torch.where(y_side, pre.abs() + 1e-30, 0.0)  # the backend's forward output: its side of 0
+        alt = linear_relu_kernel_side(args, {"dy": dy}, {"y": y}, torch.bfloat16)
+        got = _linear_gradients(x, w, dy * grad_side)
+        return all(compare(f"d{n}", got[n], either(got[n], exact[n], alt[n]), tol).ok for n in got)
+
+    assert judged([], [])
+    for near in ((0, 0), (1, 2)):
+        assert judged([near], [near]), near  # the forward's side, in the backward too
+        assert not judged([], [near]), near  # a side the forward did not take
+    assert not judged([(2, 1)], [(2, 1)])  # a pre-activation clearly away from 0 may not change side
+    # in float32 the split reduction is float32's: 1e-3 of the terms' sum is beyond its rounding
+    alt = linear_relu_kernel_side(args, {"dy": dy}, {"y": torch.where(pre > 0, 0.0, 1.0)}, torch.float32)
+    flipped = pre > 0
+    flipped[1, 2] = False
+    got = _linear_gradients(x, w, dy * flipped)
+    assert not compare("dx", got["x"], either(got["x"], exact["x"], alt["x"]), tol).ok

@@ -257,7 +257,9 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
     with ``eager_factor``, also allow that many times the error of eager (`eager_widened`).
 
     With ``alternative``, each element of a gradient it returns may match either oracle
-    (`either`); the tolerance stays the one of the first (the reference)."""
+    (`either`); the tolerance stays the one of the first (the reference). A kernel with a kink
+    (`KINKS`: linear's relu) is always given that second oracle: its derivative on the side of
+    the kink the backend's own forward output shows, where the rounding of the forward allows it."""
     report = CheckReport(spec.name)
     grad_names = [n for n in spec.differentiable if isinstance(args[n], torch.Tensor)]
     leaves = {k: (v.detach().requires_grad_(True) if k in grad_names else v) for k, v in args.items()}
@@ -285,9 +287,10 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
                    loss_response({n: o for n, o, g in zip(spec.outputs, ref_outs, grads) if g is not None},
                                  {n: g for n, g in zip(spec.outputs, grads) if g is not None}))
     eagers = _eager_grads(spec, args, grad_names, grads) if eager_factor else expected
-    rounding = ROUNDING_ALLOWANCES.get(spec.name)
-    checked = spec.check((), oracle, oracle_backend().dtypes) if alternative or rounding else {}
-    alternatives = {} if alternative is None else alternative(checked, upstream)
+    rounding, kink = ROUNDING_ALLOWANCES.get(spec.name), KINKS.get(spec.name)
+    checked = spec.check((), oracle, oracle_backend().dtypes) if alternative or rounding or kink else {}
+    alternatives = {} if kink is None else kink(checked, upstream, dict(zip(spec.outputs, outs)), dtype)
+    alternatives.update({} if alternative is None else alternative(checked, upstream))
     allowances = {} if rounding is None else rounding(checked, upstream, dtype)
     for name, g, e, eager in zip(grad_names, got, expected, eagers):
         leaf = leaves[name]
@@ -377,8 +380,7 @@ def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
 def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Linear's `RoundingAllowance`: what rounding ``dpre = dy ⊙ act'(pre)`` to the inputs'
     ``dtype`` (the operand of the products ``dx = dpre · weight`` and ``dweight = dpreᵀ · x`` in
-    that dtype, and of dbias's sum) moves the gradients by, and for relu which side of its kink a
-    pre-activation within the forward's rounding of 0 falls on (`kpt.tolerance`).
+    that dtype, and of dbias's sum) moves the gradients by (`kpt.tolerance`).
 
     Each ``dpre`` element carries up to ``u · |dpre|`` (u the unit roundoff of ``dtype``), a
     rounding of standard deviation at most ``u · |dpre| / √3``; a sum of such terms moves by at most
@@ -388,11 +390,6 @@ def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
     beyond a bound relative to the result where its terms nearly cancel (dbias of a few rows), a
     small part of it elsewhere.
 
-    relu' jumps from 0 to 1 at 0: a pre-activation within ``K · u_acc · Σ_k |x_ik · weight_jk|``
-    of 0 (the float32 accumulation's bound; u_acc of float64 for float64), below float32's smallest
-    normal (flushed to zero) or below the dtype's smallest subnormal (rounded to zero) may take
-    either derivative, which moves the gradients by ``|dy_ij|`` times its row of weight or x, in
-    full.
     Float64 from the oracle's checked arguments (x, weight, bias, activation) and ``{"dy": dy}``."""
     x, w = (_finite(t.detach().to(torch.float64)) for t in (rows(args["x"]), args["weight"]))
     dy = _finite(rows(upstream["dy"]).detach().to(torch.float64))
@@ -408,14 +405,37 @@ def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
     dx = summed(e @ w.abs(), e.square() @ w.square())
     dw = summed(e.T @ x.abs(), e.square().T @ x.square())
     db = summed(e.sum(0), e.square().sum(0))
-    if activation == "relu":
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        zero = max(torch.finfo(acc).tiny, torch.finfo(dtype).tiny * torch.finfo(dtype).eps)
-        band = x.shape[-1] * torch.finfo(acc).eps / 2 * (x.abs() @ w.abs().T) + zero
-        either_side = torch.where(pre.abs() <= band, dy.abs(), 0.0)
-        dx, dw, db = dx + either_side @ w.abs(), dw + either_side.T @ x.abs(), db + either_side.sum(0)
     allowance = {"x": dx.reshape(args["x"].shape), "weight": dw}
     return allowance if bias is None else {**allowance, "bias": db}
+
+
+def linear_relu_kernel_side(args: Args, upstream: Args, outputs: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Linear's second oracle for relu (`KINKS`): the gradients with relu' taken on the side of 0
+    that the backend's own forward shows (``y > 0``) wherever the oracle's pre-activation lies
+    within the forward's rounding of 0, the oracle's relu' elsewhere (float64).
+
+    relu' jumps from 0 to 1 at 0, so a pre-activation that the forward's rounding can move across
+    0 may take either derivative — but the backward must take the one its forward took. That
+    rounding is ``K · u_acc · Σ_k |x_ik · weight_jk|`` for float32 accumulation (u_acc of float64
+    for float64), plus ``u · Σ_k |x_ik · weight_jk|`` for 16-bit inputs (u of ``dtype``), whose
+    products may round the partial sums of a split reduction to the inputs' dtype (cuBLAS under
+    torch's default ``allow_bf16_reduced_precision_reduction``), and below float32's smallest
+    normal (flushed) or the dtype's smallest subnormal (rounded to 0) any value may land on 0.
+    ``args``: the oracle's checked x, weight, bias, activation; ``upstream``: ``{"dy": dy}``;
+    ``outputs``: the backend's ``{"y": y}``. Empty for every other activation."""
+    if args["activation"] != "relu":
+        return {}
+    x, w, dy = (t.detach().to(torch.float64) for t in (rows(args["x"]), args["weight"], rows(upstream["dy"])))
+    bias = args["bias"]
+    pre = x @ w.T + (0.0 if bias is None else bias.detach().to(torch.float64))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    u = torch.finfo(acc).eps / 2 * x.shape[-1] + (torch.finfo(dtype).eps / 2 if dtype.itemsize == 2 else 0.0)
+    zero = max(torch.finfo(acc).tiny, torch.finfo(dtype).tiny * torch.finfo(dtype).eps)
+    near = pre.abs() <= u * (_finite(x).abs() @ _finite(w).abs().T) + zero
+    kernel_side = rows(outputs["y"]).detach().to(pre.device, torch.float64) > 0
+    dpre = dy * torch.where(near, kernel_side, ~(pre <= 0))  # relu'(NaN) = 1, as the reference's
+    grads = {"x": (dpre @ w).reshape(args["x"].shape), "weight": dpre.T @ x}
+    return grads if bias is None else {**grads, "bias": dpre.sum(0)}
 
 
 RoundingAllowance = Callable[[Args, Args, torch.dtype], dict[str, torch.Tensor]]
@@ -426,7 +446,14 @@ and the dtype under test, it returns float64 allowances by input name."""
 
 ROUNDING_ALLOWANCES: dict[str, RoundingAllowance] = {"attention": attention_rounded_o, "linear": linear_rounded_dpre}
 """The kernels whose gradients `check_backward` allows a contract-permitted rounding, and its bound:
-attention's row sums from a rounded ``o``, linear's rounded ``dpre`` and relu's kink."""
+attention's row sums from a rounded ``o``, linear's rounded ``dpre``."""
+
+KINKS: dict[str, Callable[[Args, Args, Args, torch.dtype], dict[str, torch.Tensor]]] = {
+    "linear": linear_relu_kernel_side}
+"""The kernels whose derivative jumps somewhere (relu's at 0), and their second oracle: the side
+the backend's forward took, where its rounding allows either; `check_backward` always uses it.
+Called with the oracle's checked arguments, the upstream gradients, the backend's forward outputs
+(by name) and the dtype under test."""
 
 ALTERNATIVE_GRADIENTS: dict[str, AlternativeGradients] = {"attention": attention_hidden_pairs_add_nothing}
 """The kernels whose gradients with special values the contract allows two ways, and the second

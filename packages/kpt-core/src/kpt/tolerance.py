@@ -26,9 +26,10 @@ Roundings the contract permits are allowed per element besides, as their bound
 attention's backward may take ``rowsum(p ⊙ dp)`` as ``rowsum(dO ⊙ o)`` from ``o`` in the inputs'
 dtype (as FlashAttention does), which moves dq and dk (`kpt.testing.attention_rounded_o`);
 linear's backward may round ``dpre = dy ⊙ act'(pre)`` to the inputs' dtype (the operand of its
-products, as eager does), which moves dx, dweight and dbias, and relu's derivative may take either
-side of its kink where the pre-activation is within the forward's rounding of 0
-(`kpt.testing.linear_rounded_dpre`).
+products, as eager does), which moves dx, dweight and dbias (`kpt.testing.linear_rounded_dpre`).
+Where a derivative jumps (relu's at 0), a pre-activation within the forward's rounding of the
+jump may take either derivative, the one its own forward output shows
+(`kpt.testing.linear_relu_kernel_side`, `kpt.testing.KINKS`).
 
 Differences up to the output dtype's spacing near zero (``finfo.tiny * finfo.eps``: float16's
 subnormal step, 6e-8) are not counted: no result stored in that dtype can be closer. Integer

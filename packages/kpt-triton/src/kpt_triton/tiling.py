@@ -25,6 +25,16 @@ import triton.language as tl
 
 from kpt.spec import rows
 
+SAME_IN_EVERY_LANE = {"enable_fp_fusion": False}
+"""Compiler options for a kernel that stores per-row statistics (rstd, mean) reduced across a
+row's lanes. With multiply-add fusion, the first step of the lanes' butterfly reduction of
+``Σ x²`` becomes ``fma(x_i, x_i, x_j²)`` in lane i but ``fma(x_j, x_j, x_i²)`` in its partner, so
+the lanes holding one row may end one rounding apart; Triton then stores the row's value through
+shared memory with every one of them writing the same address — a write race (two values, which
+one lands is unspecified), seen by compute-sanitizer's racecheck on an H100 (layer_norm, 17-wide
+rows, one element per lane). Without fusion every lane rounds ``x²`` alike and holds the same sum.
+The cost is a separate multiply and add where a memory-bound kernel has time to spare."""
+
 
 def cdiv(a: int, b: int) -> int:
     """``⌈a / b⌉`` for ``b > 0``. Launchers use these two plain-Python helpers for grid and block
