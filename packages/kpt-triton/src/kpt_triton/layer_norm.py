@@ -28,11 +28,11 @@ from kpt.spec import rows
 
 from .launch import cached_launch
 from .tiling import (
-    SAME_IN_EVERY_LANE,
     cdiv,
     load_tile,
     load_vector,
     persistent_programs,
+    row_statistics_options,
     row_tiling,
     store_output,
     vector,
@@ -209,7 +209,7 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
             x2, vector(weight), vector(bias), y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
-            num_warps=warps(block_r * block_d, elems_per_warp), **SAME_IN_EVERY_LANE,
+            num_warps=warps(block_r * block_d, elems_per_warp), **row_statistics_options(block_d),
         )
     return y, mean, rstd
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from kpt.spec import rows
 
 from .launch import cached_launch
-from .tiling import SAME_IN_EVERY_LANE, cdiv, load_tile, load_vector, persistent_programs, row_tiling, vector, warps
+from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_statistics_options, row_tiling, vector, warps
 
 
 @triton.jit
@@ -170,7 +170,7 @@ def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
             x2.stride(0), x2.stride(1), res2.stride(0), res2.stride(1), eps,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
-            num_warps=warps(block_r * block_d, elems_per_warp), **SAME_IN_EVERY_LANE,
+            num_warps=warps(block_r * block_d, elems_per_warp), **row_statistics_options(block_d),
         )
     return y, h, rstd
 
