@@ -25,6 +25,7 @@ import torch
 from .backend import Backend
 from .kernels.attention import by_chunks, probabilities, visible_keys
 from .kernels.linear import activation_grad as linear_activation_grad
+from .kernels.linear import linear_backward
 from .ops import as_tuple
 from .spec import Args, KernelSpec, rows
 from .tolerance import Tolerance, default_tolerance
@@ -434,8 +435,12 @@ def linear_relu_kernel_side(args: Args, upstream: Args, outputs: Args, dtype: to
     near = pre.abs() <= u * (_finite(x).abs() @ _finite(w).abs().T) + zero
     kernel_side = rows(outputs["y"]).detach().to(pre.device, torch.float64) > 0
     dpre = dy * torch.where(near, kernel_side, ~(pre <= 0))  # relu'(NaN) = 1, as the reference's
-    grads = {"x": (dpre @ w).reshape(args["x"].shape), "weight": dpre.T @ x}
-    return grads if bias is None else {**grads, "bias": dpre.sum(0)}
+    # the reference's backward from that dpre (no activation left to apply)
+    dx, dweight, dbias = linear_backward(args["x"].detach().to(torch.float64), w,
+                                         None if bias is None else bias.detach().to(torch.float64),
+                                         None, pre, pre, dpre)
+    grads = {"x": dx, "weight": dweight}
+    return grads if bias is None else {**grads, "bias": dbias}
 
 
 RoundingAllowance = Callable[[Args, Args, torch.dtype], dict[str, torch.Tensor]]
