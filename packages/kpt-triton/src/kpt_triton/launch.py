@@ -35,29 +35,34 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-_INT32 = range(-(1 << 31), 1 << 31)
-
 
 def _specialize(args: tuple[Any, ...]) -> tuple[list[Any], list[Any]] | None:
     """What Triton specializes a compiled kernel on for each positional argument, and the
     arguments as the launcher takes them (tensors as addresses: it would otherwise look each up
-    through a driver call); None for an argument of another kind."""
+    through a driver call); None for an argument of another kind.
+
+    The most frequent kinds are tested first and each gives one key entry (an int of the int32
+    range: 1, a multiple of 16, or neither): this runs on every launch, for up to two dozen
+    arguments (rope's strides)."""
     key: list[Any] = []
     values: list[Any] = []
     for arg in args:
         kind = type(arg)
-        if isinstance(arg, torch.Tensor):
-            address = arg.data_ptr()
-            key += (arg.is_cpu, arg.dtype, address & 15 == 0)
-            values.append(address)
-            continue
         if kind is int:  # 1, multiples of 16, and the width (int32, int64, uint64) change the code
-            key.append((arg == 1, arg & 15 == 0, arg in _INT32, arg >= 1 << 63))
+            if -0x80000000 <= arg < 0x80000000:
+                key.append(1 if arg == 1 else 16 if arg & 15 == 0 else 0)
+            else:
+                key.append((arg & 15 == 0, arg >= 1 << 63))
+            values.append(arg)
+        elif kind is torch.Tensor or isinstance(arg, torch.Tensor):
+            address = arg.data_ptr()
+            key.append((arg.dtype, arg.is_cpu, address & 15 == 0))
+            values.append(address)
         elif kind is bool or kind is float or arg is None:
             key.append(kind)
+            values.append(arg)
         else:
             return None
-        values.append(arg)
     return key, values
 
 

@@ -88,8 +88,9 @@ def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
     outs = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k)]
     t0 = q if q is not None else k
     b, _, s, d = t0.shape
-    # a shared table is the per-batch table with batch stride 0
-    cos3, sin3 = (cos, sin) if cos.dim() == 3 else (cos.expand(b, s, d), sin.expand(b, s, d))
+    # a shared table is the per-batch table with batch stride 0 (strides given, no expanded view)
+    cos_strides, sin_strides = (cos.stride(), sin.stride()) if cos.dim() == 3 else \
+        ((0, *cos.stride()), (0, *sin.stride()))
     block_half = next_pow2(d // 2)
     block_s = max(1, min(next_pow2(s), tile_elems // (2 * block_half)))
     # an absent tensor runs no program: it stands in for itself with its head count set to 0
@@ -99,8 +100,8 @@ def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
     tiles = [b * h * cdiv(s, block_s) for h in heads]
     if sum(tiles):
         _rope_kernel[(sum(tiles),)](
-            ts[0], ts[1], cos3, sin3, os_[0], os_[1], heads[0], heads[1], s, d // 2, tiles[0],
-            *ts[0].stride(), *ts[1].stride(), *cos3.stride(), *sin3.stride(),
+            ts[0], ts[1], cos, sin, os_[0], os_[1], heads[0], heads[1], s, d // 2, tiles[0],
+            *ts[0].stride(), *ts[1].stride(), *cos_strides, *sin_strides,
             BACKWARD=backward, BLOCK_S=block_s, BLOCK_HALF=block_half, STREAM=stream,
             num_warps=warps(2 * block_s * block_half, elems_per_warp),
         )
