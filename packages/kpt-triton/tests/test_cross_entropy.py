@@ -19,9 +19,14 @@ def _targets(g, n, v, ignored, ignore_index=-100):
 
 
 def _ce(g, dtype, n, v, *, reduction="mean", smoothing=0.0, ignored=0.2, ignore_index=-100, scale=1.0,
-        layout=lambda t: t):
+        layout=lambda t: t, masked=0):
+    """``masked``: the first columns of every row are −inf (a masked head of the vocabulary), and
+    the targets lie after them."""
     logits = layout(randn(g, n, v, dtype=dtype, scale=scale))
-    return {"logits": logits, "target": _targets(g, n, v, ignored, ignore_index),
+    logits[:, :masked] = -float("inf")
+    target = _targets(g, n, v - masked, ignored, ignore_index)
+    target = torch.where(target == ignore_index, target, target + masked)
+    return {"logits": logits, "target": target,
             "ignore_index": ignore_index, "label_smoothing": smoothing, "reduction": reduction}
 
 
@@ -39,6 +44,12 @@ CE_CASES = {
     "zero_rows": dict(n=0, v=16, reduction="sum"),
     "zero_classes": dict(n=3, v=0),
     "single": dict(n=1, v=1, ignored=0.0),
+    # fewer rows than multiprocessors (CPU cores here): each row cut into spans across programs
+    "one_row": dict(n=1, v=3000, ignored=0.0),
+    "one_row_smoothing": dict(n=1, v=2500, smoothing=0.1, ignored=0.0, reduction="none"),
+    # whole leading chunks (and spans) of −inf: their sums must stay 0, not exp(−inf + inf) = NaN
+    "masked_head": dict(n=3, v=40, masked=20),
+    "masked_head_one_row": dict(n=1, v=3000, masked=2100, ignored=0.0),
 }
 
 

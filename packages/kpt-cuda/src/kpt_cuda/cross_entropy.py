@@ -8,8 +8,10 @@ gradient moves the minimum: the logits read once, the gradient written once.
 
 It runs where it can: CuPy installed and a CUDA GPU present (`available`), a gradient wanted,
 logits of 16- or 32-bit floats whose rows are contiguous, 16-byte aligned, a whole number of
-16-byte vectors, and small enough to fit on chip (`onchip_split`), and at least
-`ONCHIP_MIN_V` classes (narrower rows stay in L2, where the portable kernel is as fast).
+16-byte vectors, and small enough to fit on chip (`onchip_split`), at least
+`ONCHIP_MIN_V` classes (narrower rows stay in L2, where the portable kernel is as fast), and at
+least as many rows as multiprocessors (fewer rows leave most of the GPU idle with one block per
+row: the portable kernel cuts them into spans).
 Every other call, and the backward (an in-place scaling), runs the portable kernels.
 """
 
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from kpt_triton import cross_entropy as portable
-from kpt_triton.tiling import persistent_programs
+from kpt_triton.tiling import multiprocessor_count, persistent_programs
 
 from . import device
 
@@ -109,7 +111,8 @@ def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, 
     """``(loss, dlogits)`` like the portable `kpt_triton.cross_entropy.cross_entropy_fwd`, whose
     tuning keywords it passes on when it hands a call over."""
     split = None
-    if needs_grad and logits.is_cuda and logits.shape[-1] >= ONCHIP_MIN_V:
+    if (needs_grad and logits.is_cuda and logits.shape[-1] >= ONCHIP_MIN_V
+            and logits.shape[0] >= multiprocessor_count(logits.device)):
         props = torch.cuda.get_device_properties(logits.device)
         split = onchip_split(logits, props.shared_memory_per_block_optin)
     if split is None:

@@ -15,6 +15,9 @@ forward when a gradient is wanted (dz for an upstream gradient of 1); its backwa
 dz in place (`scale_rows_`), and does nothing at all when the upstream gradient is 1, the
 ``loss.backward()`` of a mean loss. The grid is persistent, a few programs per multiprocessor,
 so that the rows in flight stay few enough for pass 2 to find its row still in the L2 cache.
+Rows too few to give every multiprocessor a program (a decode step's one token) are cut into
+spans instead: a first kernel writes each span's partial (m, s, Σz), the second merges them per
+row and writes the row's gradient span by span, one program each.
 
 ``linear_cross_entropy`` works through chunks of rows of z = hidden · weightᵀ (+ bias, added
 in float32 inside the kernel). Each chunk's float32 logits come from one GEMM into a reused
@@ -32,63 +35,118 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import cdiv, nan_max, next_pow2, persistent_programs, vector, warps
+from .tiling import cdiv, multiprocessor_count, nan_max, next_pow2, persistent_programs, vector, warps
+
+_LSE_ROW, _LSE_SAVED, _LSE_PARTS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+"""Where the cross-entropy kernel takes a row's log-sum-exp from: the row itself, ``LSE``, or the
+row's partial statistics in ``PARTS`` (`_lse_parts_kernel`)."""
+
+
+@triton.jit
+def _lse_stats(z_row, BIAS, lo, hi, stride_zv, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """``(m, s, Σz)`` over columns ``[lo, hi)`` of a row: the maximum, ``Σ exp(z − m)`` (online:
+    ``s ← s · exp(m − m') + Σ exp(z − m')`` whenever the maximum grows) and, with ``SMOOTHING``, the
+    sum of the logits."""
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    z_sum = 0.0
+    for c in range(lo, hi, BLOCK_V):
+        mask = c + cols < hi
+        # kept in L2 for the gradient pass where it fits
+        z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
+        # NaN-propagating: a NaN logit beside a +inf one makes the row NaN, not +inf
+        m_new = tl.maximum(m, nan_max(z, 0), propagate_nan=tl.PropagateNan.ALL)
+        # while every logit so far is −inf (a masked head of the vocabulary) there is nothing to
+        # sum, and exp(−inf − (−inf)) would be NaN
+        s = tl.where(m_new == -float("inf"), 0.0, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0))
+        if SMOOTHING:
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        m = m_new
+    return m, s, z_sum
+
+
+@triton.jit
+def _lse(m, s):
+    """log Σ exp from `_lse_stats`; a +inf logit makes s NaN (inf − inf): the log-sum-exp is then
+    +inf, as in the reference."""
+    return tl.where(m == float("inf"), m, m + tl.log(s))
+
+
+@cached_launch
+@triton.jit
+def _lse_parts_kernel(Z, BIAS, PARTS, V, stride_zn, stride_zv, span, HAS_BIAS: tl.constexpr,
+                      SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """`_lse_stats` of span ``program_id(1)`` (``span`` columns) of row ``program_id(0)``, into
+    ``PARTS[row, span, :3]``: a row cut across programs when the rows are too few to fill the GPU."""
+    row = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * span
+    m, s, z_sum = _lse_stats(Z + row * stride_zn, BIAS, lo, tl.minimum(lo + span, V), stride_zv, HAS_BIAS,
+                             SMOOTHING, BLOCK_V)
+    out = PARTS + (row * tl.num_programs(1) + tl.program_id(1)) * 3
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, z_sum)
 
 
 @cached_launch
 @triton.jit
 def _cross_entropy_kernel(
-    Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ,  # BIAS only with HAS_BIAS; DZ (contiguous) may be Z
+    Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, PARTS,  # BIAS only with HAS_BIAS; DZ (contiguous) may be Z
     N, V,
     stride_zn, stride_zv, stride_g, stride_dzn,  # stride_g is 0 for one gradient shared by all rows
     ignore_index,
     label_smoothing,
+    span,  # columns of the gradient per program along the grid's second axis
     HAS_BIAS: tl.constexpr,
     SMOOTHING: tl.constexpr,  # label_smoothing > 0: mean(z) is needed
-    COMPUTE_LSE: tl.constexpr,  # else LSE is read
+    LSE_FROM: tl.constexpr,  # _LSE_ROW, _LSE_SAVED or _LSE_PARTS
     WRITE_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # ≥ the partial statistics per row (_LSE_PARTS)
 ):
     for row in range(tl.program_id(0), N, tl.num_programs(0)):
-        _cross_entropy_row(Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, tl.cast(row, tl.int64), V, stride_zn, stride_zv,
-                           stride_g, stride_dzn, ignore_index, label_smoothing, HAS_BIAS, SMOOTHING,
-                           COMPUTE_LSE, WRITE_LOSS, WRITE_GRAD, BLOCK_V)
+        _cross_entropy_row(Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, PARTS, tl.cast(row, tl.int64), V, stride_zn,
+                           stride_zv, stride_g, stride_dzn, ignore_index, label_smoothing, span, HAS_BIAS, SMOOTHING,
+                           LSE_FROM, WRITE_LOSS, WRITE_GRAD, BLOCK_V, BLOCK_P)
 
 
 @triton.jit
 def _cross_entropy_row(
-    Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, row, V, stride_zn, stride_zv, stride_g, stride_dzn, ignore_index,
-    label_smoothing, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr, COMPUTE_LSE: tl.constexpr,
-    WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, PARTS, row, V, stride_zn, stride_zv, stride_g, stride_dzn, ignore_index,
+    label_smoothing, span, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr, LSE_FROM: tl.constexpr,
+    WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     z_row = Z + row * stride_zn
     target = tl.load(TARGET + row)
     kept = target != ignore_index
     cols = tl.arange(0, BLOCK_V)
+    first = tl.program_id(1) == 0  # the program along the row that writes its loss and lse
 
-    if COMPUTE_LSE:
-        m = -float("inf")
-        s = 0.0
-        z_sum = 0.0
-        for c in range(0, V, BLOCK_V):
-            mask = c + cols < V
-            # kept in L2 for pass 2 where it fits
-            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf"),
-                        eviction_policy="evict_last").to(tl.float32)
-            if HAS_BIAS:
-                z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
-            # NaN-propagating: a NaN logit beside a +inf one makes the row NaN, not +inf
-            m_new = tl.maximum(m, nan_max(z, 0), propagate_nan=tl.PropagateNan.ALL)
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            if SMOOTHING:
-                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-            m = m_new
-        # a +inf logit makes s NaN (inf − inf); the log-sum-exp is then +inf, as in the reference
-        lse = tl.where(m == float("inf"), m, m + tl.log(s))
-        tl.store(LSE + row, lse)
+    z_sum = 0.0
+    if LSE_FROM == _LSE_ROW:
+        m, s, z_sum = _lse_stats(z_row, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V)
+        lse = _lse(m, s)
+    elif LSE_FROM == _LSE_PARTS:
+        p = tl.arange(0, BLOCK_P)
+        n_parts = tl.cdiv(V, span)
+        stats = PARTS + (row * n_parts + p) * 3
+        m_p = tl.load(stats, mask=p < n_parts, other=-float("inf"))
+        m = nan_max(m_p, 0)
+        s = tl.sum(tl.where(m_p == -float("inf"), 0.0, tl.load(stats + 1, mask=p < n_parts, other=0.0)
+                            * tl.exp(m_p - m)), axis=0)
+        if SMOOTHING:
+            z_sum = tl.sum(tl.load(stats + 2, mask=p < n_parts, other=0.0), axis=0)
+        lse = _lse(m, s)
     else:
         lse = tl.load(LSE + row)
+    if LSE_FROM != _LSE_SAVED:
+        tl.store(LSE + row, lse, mask=first)
 
     if WRITE_LOSS:
         # A target outside [0, V) that is not ignored gives NaN rather than reading out of bounds.
@@ -99,14 +157,16 @@ def _cross_entropy_row(
         loss = (1.0 - label_smoothing) * (lse - z_t)
         if SMOOTHING:
             loss += label_smoothing * (lse - z_sum / V)
-        tl.store(LOSS + row, tl.where(kept, loss, 0.0))
+        tl.store(LOSS + row, tl.where(kept, loss, 0.0), mask=first)
 
     if WRITE_GRAD:
         g = tl.load(GRAD + row * stride_g).to(tl.float32)  # an ignored row's dz is 0 (the store's select)
-        # last chunk first: the chunks pass 1 read last are the likeliest still in L2
-        for c_rev in range(0, V, BLOCK_V):
-            c = (tl.cdiv(V, BLOCK_V) - 1) * BLOCK_V - c_rev
-            mask = c + cols < V
+        lo = tl.program_id(1) * span
+        hi = tl.minimum(lo + span, V)
+        # last chunk first: the chunks the log-sum-exp pass read last are the likeliest still in L2
+        for c_rev in range(0, hi - lo, BLOCK_V):
+            c = lo + (tl.cdiv(hi - lo, BLOCK_V) - 1) * BLOCK_V - c_rev
+            mask = c + cols < hi
             z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
             if HAS_BIAS:
@@ -116,6 +176,17 @@ def _cross_entropy_row(
             # selected: an ignored row's inf or NaN logits reach nothing (0 · NaN)
             tl.store(DZ + row * stride_dzn + c + cols, tl.where(kept, g * d, 0.0).to(DZ.dtype.element_ty), mask=mask,
                      eviction_policy="evict_first")
+
+
+def _row_split(n, v, block, device):
+    """``(block, span)``: rows too few to give every multiprocessor a program are cut into spans
+    of ``span`` columns, one program each (chunks of ``block`` columns, at least 1024), so that a
+    decode step's loss is not one multiprocessor's work; otherwise ``(block, v)``."""
+    per_row = multiprocessor_count(device) // max(n, 1)
+    if per_row < 2 or v <= block:
+        return block, v
+    block = min(block, max(1024, next_pow2(cdiv(v, per_row))))
+    return block, cdiv(cdiv(v, per_row), block) * block
 
 
 def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *, compute_lse, write_loss,
@@ -131,14 +202,24 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
         if write_loss:
             loss.zero_()
         return
-    block = min(next_pow2(v), block_v)
-    _cross_entropy_kernel[(persistent_programs(n, z.device, programs_per_sm),)](
-        z, vector(target), vector(bias), grad, loss, lse, dz, n, v,
+    block, span = _row_split(n, v, min(next_pow2(v), block_v), z.device)
+    n_parts = cdiv(v, span)
+    smoothing = label_smoothing > 0
+    parts = None
+    if compute_lse and n_parts > 1:
+        parts = torch.empty(n, n_parts, 3, dtype=torch.float32, device=z.device)
+        _lse_parts_kernel[(n, n_parts)](z, vector(bias), parts, v, z.stride(0), z.stride(1), span,
+                                        HAS_BIAS=bias is not None, SMOOTHING=smoothing, BLOCK_V=block,
+                                        num_warps=warps(block, elems_per_warp))
+    lse_from = _LSE_SAVED if not compute_lse else _LSE_PARTS if parts is not None else _LSE_ROW
+    grid = (persistent_programs(n, z.device, programs_per_sm), n_parts if grad is not None else 1)
+    _cross_entropy_kernel[grid](
+        z, vector(target), vector(bias), grad, loss, lse, dz, parts, n, v,
         z.stride(0), z.stride(1), grad.stride(0) if grad is not None and grad.dim() else 0,
-        dz.stride(0) if dz is not None else 0, ignore_index, label_smoothing,
-        HAS_BIAS=bias is not None, SMOOTHING=label_smoothing > 0, COMPUTE_LSE=compute_lse,
+        dz.stride(0) if dz is not None else 0, ignore_index, label_smoothing, span,
+        HAS_BIAS=bias is not None, SMOOTHING=smoothing, LSE_FROM=lse_from,
         WRITE_LOSS=write_loss, WRITE_GRAD=grad is not None,
-        BLOCK_V=block, num_warps=warps(block, elems_per_warp),
+        BLOCK_V=block, BLOCK_P=next_pow2(n_parts), num_warps=warps(block, elems_per_warp),
     )
 
 
