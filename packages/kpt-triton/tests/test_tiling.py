@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
 import triton
 
+from kpt_triton import tiling
 from kpt_triton.tiling import cdiv, next_pow2
 
 
@@ -23,6 +26,21 @@ def test_next_pow2_matches_triton() -> None:
         assert next_pow2(n) == triton.next_power_of_2(n), n
     # where Triton's gives 0, a block size of 1 is returned: a block never has size 0
     assert next_pow2(0) == 1
+
+
+@pytest.mark.parametrize(("n", "expected"), [
+    (4096, (512, 128)),  # one token: 8 tiles of 512 rather than one of 8192
+    (14336, (512, 128)),
+    (16 * 14336, (2048, 256)),  # a tile of about n / 132
+    (64 * 14336, (8192, 512)),  # 112 tiles of 8192 already: the tuned values
+    (4096 * 14336, (8192, 512)),
+    (1, (512, 128)),
+])
+def test_spread_cuts_small_inputs_across_the_multiprocessors(monkeypatch, n, expected) -> None:
+    monkeypatch.setattr(tiling, "multiprocessor_count", lambda device: 132)
+    assert tiling.spread(n, 8192, 512, torch.device("cpu")) == expected
+    # a tuned tile at or below the spread one is kept as it is
+    assert tiling.spread(n, 512, 64, torch.device("cpu")) == (512, 64)
 
 
 # compiled for sm90 in a fresh process (these tests run under the interpreter), the SASS read with

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import as_rows, row_tiling, tile_of, tiles, warps
+from .tiling import as_rows, row_tiling, spread, tile_of, tiles, warps
 
 # These constants multiply tensors from the right only: under the interpreter ``constexpr * tensor``
 # is a constexpr that wraps the tensor, which the math functions of Triton 3.9 reject.
@@ -106,6 +106,7 @@ def _forward(act, x, up, block, elems_per_warp):
     if x.numel():
         x2, up2 = as_rows(x, up if up is not None else x)
         r, d = x2.shape
+        block, elems_per_warp = spread(x.numel(), block, elems_per_warp, x.device)
         block_r, block_d = row_tiling(d, max_block=block, tile_elems=block)
         _act_fwd_kernel[(tiles(r, d, block_r, block_d),)](
             x2, up2, y, r, d, *x2.stride(), *up2.stride(),
@@ -121,6 +122,7 @@ def _backward(act, x, up, dy, block, elems_per_warp):
     if x.numel():
         x2, up2, dy2 = as_rows(x, up if up is not None else x, dy)
         r, d = x2.shape
+        block, elems_per_warp = spread(x.numel(), block, elems_per_warp, x.device)
         block_r, block_d = row_tiling(d, max_block=block, tile_elems=block)
         _act_bwd_kernel[(tiles(r, d, block_r, block_d),)](
             x2, up2, dy2, dx, dup, r, d, *x2.stride(), *up2.stride(), *dy2.stride(),

@@ -31,7 +31,19 @@ import triton.language as tl
 from kpt.spec import rows
 
 from .launch import cached_launch
-from .tiling import as_rows, cdiv, load_tile, nan_max, next_pow2, persistent_programs, row_tiling, tile_of, tiles, warps
+from .tiling import (
+    as_rows,
+    cdiv,
+    load_tile,
+    nan_max,
+    next_pow2,
+    persistent_programs,
+    row_tiling,
+    spread,
+    tile_of,
+    tiles,
+    warps,
+)
 
 
 @triton.jit
@@ -262,6 +274,7 @@ def dequantize_fp8_fwd(xq, scale, dtype, *, block: int = 4096, elems_per_warp: i
     (x2,) = as_rows(xq) if scale.dim() == 0 else (rows(xq),)
     s = scale.reshape(-1)
     r, d = x2.shape
+    block, elems_per_warp = spread(xq.numel(), block, elems_per_warp, xq.device)
     block_r, block_d = row_tiling(d, max_block=block, tile_elems=block)
     _dequantize_kernel[(tiles(r, d, block_r, block_d),)](
         x2.view(torch.uint8), s, y, r, d, *x2.stride(), s.stride(0) if scale.dim() else 0,

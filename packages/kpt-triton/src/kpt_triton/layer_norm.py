@@ -123,6 +123,7 @@ def _layer_norm_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # D <= BLOCK_D: no chunk loops are compiled in
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -148,39 +149,38 @@ def _layer_norm_bwd_kernel(
         g0 = tl.where(mask0, dy0 * w0[None, :], 0.0) if HAS_WEIGHT else dy0
         sum_g = tl.sum(g0, axis=1)
         sum_gx = tl.sum(g0 * xhat0, axis=1)
-        for c in range(BLOCK_D, D, BLOCK_D):
-            mask = row_ok[:, None] & (c + cols < D)[None, :]
-            xhat = (load_tile(X, rows, c + cols, stride_xr, stride_xc, mask) - mean) * rstd
-            xhat = tl.where(mask, xhat, 0.0)
-            g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
-            if HAS_WEIGHT:
-                g *= load_vector(W, c + cols, D)[None, :]
-            sum_g += tl.sum(g, axis=1)
-            sum_gx += tl.sum(g * xhat, axis=1)
+        if not ONE_CHUNK:
+            for c in range(BLOCK_D, D, BLOCK_D):
+                mask = row_ok[:, None] & (c + cols < D)[None, :]
+                xhat = (load_tile(X, rows, c + cols, stride_xr, stride_xc, mask) - mean) * rstd
+                xhat = tl.where(mask, xhat, 0.0)
+                g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
+                if HAS_WEIGHT:
+                    g *= load_vector(W, c + cols, D)[None, :]
+                sum_g += tl.sum(g, axis=1)
+                sum_gx += tl.sum(g * xhat, axis=1)
         mean_g = (sum_g * inv_d)[:, None]
         mean_gx = (sum_gx * inv_d)[:, None]
 
-        # Pass 2: dx, and the partial sums of dweight and dbias.
-        for c in range(0, D, BLOCK_D):
-            mask = row_ok[:, None] & (c + cols < D)[None, :]
-            if c == 0:
-                xhat, dy, g = xhat0, dy0, g0
-            else:
+        # Pass 2: dx, and the partial sums of dweight and dbias; the first chunk from registers.
+        dx = rstd * (g0 - mean_g - xhat0 * mean_gx)
+        tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask0)
+        if HAS_WEIGHT:
+            dw0 += tl.sum(dy0 * xhat0, axis=0)
+        if HAS_BIAS:
+            db0 += tl.sum(dy0, axis=0)
+        if not ONE_CHUNK:
+            for c in range(BLOCK_D, D, BLOCK_D):
+                mask = row_ok[:, None] & (c + cols < D)[None, :]
                 xhat = (load_tile(X, rows, c + cols, stride_xr, stride_xc, mask) - mean) * rstd
                 xhat = tl.where(mask, xhat, 0.0)
                 dy = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
                 g = dy
                 if HAS_WEIGHT:
                     g = dy * load_vector(W, c + cols, D)[None, :]
-            dx = rstd * (g - mean_g - xhat * mean_gx)
-            tl.store(DX + rows[:, None] * D + c + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            col_ok = c + cols < D
-            if c == 0:
-                if HAS_WEIGHT:
-                    dw0 += tl.sum(dy * xhat, axis=0)
-                if HAS_BIAS:
-                    db0 += tl.sum(dy, axis=0)
-            else:
+                dx = rstd * (g - mean_g - xhat * mean_gx)
+                tl.store(DX + rows[:, None] * D + c + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                col_ok = c + cols < D
                 if HAS_WEIGHT:
                     part = DW_PART + pid * D + c + cols
                     tl.store(part, tl.load(part, mask=col_ok) + tl.sum(dy * xhat, axis=0), mask=col_ok)
@@ -234,7 +234,8 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 
             x2, vector(weight), mean, rstd, dy2, dx, *parts, n_rows, d,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
+            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
+            num_warps=warps(block_r * block_d, elems_per_warp),
         )
     grads = [
         x.new_empty(0) if p is None else part.sum(0).to(p.dtype)

@@ -102,6 +102,7 @@ def _rms_norm_bwd_kernel(
     HAS_DH: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # D <= BLOCK_D: no chunk loops are compiled in
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -121,39 +122,44 @@ def _rms_norm_bwd_kernel(
         dy0 = load_tile(DY, rows, cols, stride_dyr, stride_dyc, mask0)
         g0 = dy0 * w0[None, :] if HAS_WEIGHT else dy0
         dot = tl.sum(g0 * hhat0, axis=1)
-        for c in range(BLOCK_D, D, BLOCK_D):
-            mask = row_ok[:, None] & (c + cols < D)[None, :]
-            hhat = load_tile(H, rows, c + cols, stride_hr, stride_hc, mask) * rstd
-            g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
-            if HAS_WEIGHT:
-                g *= load_vector(W, c + cols, D)[None, :]
-            dot += tl.sum(g * hhat, axis=1)
+        if not ONE_CHUNK:
+            for c in range(BLOCK_D, D, BLOCK_D):
+                mask = row_ok[:, None] & (c + cols < D)[None, :]
+                hhat = load_tile(H, rows, c + cols, stride_hr, stride_hc, mask) * rstd
+                g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
+                if HAS_WEIGHT:
+                    g *= load_vector(W, c + cols, D)[None, :]
+                dot += tl.sum(g * hhat, axis=1)
         mean_dot = (dot / tl.maximum(D, 1).to(tl.float32))[:, None]
 
-        # Pass 2: dx, and the dweight partial sums.
-        for c in range(0, D, BLOCK_D):
-            mask = row_ok[:, None] & (c + cols < D)[None, :]
-            if c == 0:
-                hhat, dy, g = hhat0, dy0, g0
-            else:
+        # Pass 2: dx, and the dweight partial sums; the first chunk from registers.
+        _store_rms_dx(DX, DH, rows, cols, D, stride_dhr, stride_dhc, g0, hhat0, rstd, mean_dot, mask0, HAS_DH)
+        if HAS_WEIGHT:
+            dw0 += tl.sum(dy0 * hhat0, axis=0)
+        if not ONE_CHUNK:
+            for c in range(BLOCK_D, D, BLOCK_D):
+                mask = row_ok[:, None] & (c + cols < D)[None, :]
                 hhat = load_tile(H, rows, c + cols, stride_hr, stride_hc, mask) * rstd
                 dy = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
                 g = dy
                 if HAS_WEIGHT:
                     g = dy * load_vector(W, c + cols, D)[None, :]
-            dx = rstd * (g - hhat * mean_dot)
-            if HAS_DH:
-                dx += load_tile(DH, rows, c + cols, stride_dhr, stride_dhc, mask)
-            tl.store(DX + rows[:, None] * D + c + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            if HAS_WEIGHT:
-                if c == 0:
-                    dw0 += tl.sum(dy * hhat, axis=0)
-                else:
+                _store_rms_dx(DX, DH, rows, c + cols, D, stride_dhr, stride_dhc, g, hhat, rstd, mean_dot, mask, HAS_DH)
+                if HAS_WEIGHT:
                     part = DW_PART + pid * D + c + cols
                     tl.store(part, tl.load(part, mask=c + cols < D) + tl.sum(dy * hhat, axis=0),
                              mask=c + cols < D)
     if HAS_WEIGHT:
         tl.store(DW_PART + pid * D + cols, dw0, mask=cols < D)
+
+
+@triton.jit
+def _store_rms_dx(DX, DH, rows, cols, D, stride_dhr, stride_dhc, g, hhat, rstd, mean_dot, mask, HAS_DH: tl.constexpr):
+    """``dx = rstd · (g − ĥ · mean(g · ĥ))`` (plus the gradient of the output h) at columns ``cols``."""
+    dx = rstd * (g - hhat * mean_dot)
+    if HAS_DH:
+        dx += load_tile(DH, rows, cols, stride_dhr, stride_dhc, mask)
+    tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
@@ -191,7 +197,8 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
             h2, vector(weight), rstd, dy2, dh2, dx, part, n_rows, d,
             h2.stride(0), h2.stride(1), dy2.stride(0), dy2.stride(1), dh2.stride(0), dh2.stride(1),
             HAS_WEIGHT=weight is not None, HAS_DH=dh is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
+            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
+            num_warps=warps(block_r * block_d, elems_per_warp),
         )
     if weight is None:
         return dx, h.new_empty(0)

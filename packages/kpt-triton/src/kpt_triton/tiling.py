@@ -91,6 +91,20 @@ def persistent_programs(tiles: int, device: torch.device, programs_per_sm: int) 
 
 
 
+
+def spread(n: int, block: int, elems_per_warp: int, device: torch.device) -> tuple[int, int]:
+    """``(block, elems_per_warp)`` for an element-wise kernel over ``n`` elements: the tuned values,
+    except where ``n`` makes fewer tiles than there are multiprocessors (a decode step's
+    activations, whose time is latency, not bandwidth): then a tile of about ``n / multiprocessors``
+    elements (at least 512) in up to 8 warps, 4 to 8 elements a thread. On an H100 a 14336-wide
+    silu took 1.9 µs on the GPU as 2 tiles of 8192, 1.2 µs as 28 of 512 (gelu 2.8 → 1.2,
+    ``benchmarks/h100-2026-11-27.md``)."""
+    units = multiprocessor_count(device)
+    tile = max(512, next_pow2(cdiv(n, units)))
+    if tile >= block:
+        return block, elems_per_warp
+    return tile, min(elems_per_warp, max(128, tile // 8))
+
 @triton.jit
 def nan_max(a, axis):
     """The maximum of ``a`` along ``axis``, NaN where any element is NaN (as torch.amax: a GPU's
