@@ -228,12 +228,41 @@ def _kept(target, ignore_index):
     return (target != ignore_index).sum().clamp(min=1)
 
 
+@cached_launch
+@triton.jit
+def _reduce_kernel(LOSS, TARGET, OUT, N, ignore_index, HAS_LOSS: tl.constexpr, MEAN: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """One program: ``OUT = Σ LOSS`` (1 without ``HAS_LOSS``), divided with ``MEAN`` by the rows whose
+    target is not ``ignore_index`` (at least 1, so that all-ignored gives 0), rounded to OUT's dtype."""
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    kept = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, N, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        if HAS_LOSS:
+            total += tl.load(LOSS + i, mask=i < N, other=0.0)
+        if MEAN:
+            kept += (tl.load(TARGET + i, mask=i < N, other=ignore_index) != ignore_index).to(tl.int32)
+    out = tl.sum(total, axis=0) if HAS_LOSS else 1.0
+    if MEAN:
+        out = out / tl.maximum(tl.sum(kept, axis=0), 1).to(tl.float32)
+    tl.store(OUT, out.to(OUT.dtype.element_ty))
+
+
+def _reduce(losses, target, ignore_index, mean, dtype):
+    """`_reduce_kernel` as a 0-dim tensor of ``dtype``: one launch where torch would take five operations."""
+    out = torch.empty((), dtype=dtype, device=target.device)
+    n = target.shape[0]
+    block = min(max(next_pow2(n), 128), 8192)
+    _reduce_kernel[(1,)](losses, target, out, n, ignore_index, HAS_LOSS=losses is not None, MEAN=mean,
+                         BLOCK=block, num_warps=warps(block, 1024))
+    return out
+
+
 def reduce_losses(losses, target, ignore_index, reduction, dtype):
     """The loss as ``reduction`` asks, from the float32 loss of each row."""
     if reduction == "none":
         return losses.to(dtype)
-    total = losses.sum()
-    return (total if reduction == "sum" else total / _kept(target, ignore_index)).to(dtype)
+    return _reduce(losses, vector(target), ignore_index, reduction == "mean", dtype)
 
 
 def _row_grad(dloss, target, ignore_index, reduction):
@@ -247,8 +276,7 @@ def _row_grad(dloss, target, ignore_index, reduction):
 def unit_grad(target, ignore_index, reduction):
     """The gradient reaching each row's loss for an upstream gradient of 1, as one 0-dim float32
     tensor: 1 / n_kept for "mean", 1 for "sum" and "none"."""
-    one = torch.ones((), dtype=torch.float32, device=target.device)
-    return _row_grad(one, target, ignore_index, "mean" if reduction == "mean" else "sum")
+    return _reduce(None, vector(target), ignore_index, reduction == "mean", torch.float32)
 
 
 @cached_launch
