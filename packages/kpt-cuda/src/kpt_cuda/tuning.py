@@ -37,17 +37,21 @@ _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 # 65536 x 8192: 1.874 -> 1.785), gelu_bwd 0.391 -> 0.360 ms (4096 x 14336: 0.133 -> 0.122),
 # softmax_fwd with rows up to 32768 read once (longer ones still in 16K chunks): 4096 x 32768
 # 0.252 -> 0.195 ms, 4096 x 24000 0.235 -> 0.165 ms, the perf shape and 4096 x 128256 unchanged
-# (the H200 keeps the earlier entries of these three: not measured there)
+# (the H200 keeps the earlier entries of these three: not measured there); seventh, H100, after the
+# norm backwards stopped compiling chunk loops for one-chunk rows (2026-11-27): layer_norm_bwd at
+# 65536 x 8192 1787 -> 1260 us (16 warps a row; 16384 x 4096 224 -> 184), rms_norm_bwd with 16 warps per
+# 16384-element tile 1239 -> 1133 us at 65536 x 8192, 91 -> 55 at 4096 x 4096 (add_rms_norm_bwd, which
+# reads one more tensor, not swept: it keeps the sixth sweep's tile)
 _NORM_BWD_SM90 = {"tile_elems": 4096, "elems_per_warp": 1024, "programs_per_sm": 2}
 _ROPE_SM90 = {"tile_elems": 1024, "elems_per_warp": 512, "stream": True}
 
 SM90: Table = {
     "rms_norm_fwd": _ROW_SM90,
-    "rms_norm_bwd": _NORM_BWD_SM90,
+    "rms_norm_bwd": {"tile_elems": 16384, "elems_per_warp": 1024, "programs_per_sm": 1},
     "add_rms_norm_fwd": _ROW_SM90,
     "add_rms_norm_bwd": _NORM_BWD_SM90,
     "layer_norm_fwd": {"tile_elems": 4096, "elems_per_warp": 512},
-    "layer_norm_bwd": {"tile_elems": 8192, "elems_per_warp": 1024, "programs_per_sm": 1},
+    "layer_norm_bwd": {"tile_elems": 8192, "elems_per_warp": 512, "programs_per_sm": 1},
     "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True, "max_block": 32768},
     "softmax_bwd": _ROW_SM90,
     **{f"{k}_{d}": _POINTWISE_SM90 for k in ("gelu", "silu", "swiglu", "geglu") for d in ("fwd", "bwd")},
@@ -93,11 +97,9 @@ TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E
 """By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
 
 SPILLS: dict[str, dict[str, str]] = {
-    "sm90": {"_rms_norm_bwd_kernel": "4096-wide rows in 4 warps: 312 and 348 spilled bytes a thread (AOT check); "
-                                     "kept, the fastest tile of the H100 sweep (0.230 -> 0.172 ms, above)",
-             "_layer_norm_bwd_kernel": "two 4096-wide rows per tile in 8 warps: 108 spilled bytes a thread (AOT "
-                                       "check); kept, the fastest tile of the sixth H100 sweep at every shape "
-                                       "but one within noise (0.267 -> 0.190 ms at the perf shape, above)",
+    "sm90": {"_rms_norm_bwd_kernel": "4 rows of 4096 (2 of 8192) per tile in 16 warps: 56-104 spilled bytes a "
+                                     "thread (AOT check); kept, the fastest tile of the seventh H100 sweep at every "
+                                     "shape (1239 -> 1133 us at 65536 x 8192, above)",
              "_cross_entropy_kernel": "linear_cross_entropy's float32 chunk logits with a bfloat16 gradient, "
                                       "16384-wide chunks: 16 spilled bytes (AOT check); the block of the swept "
                                       "cross_entropy entry, not swept on its own"},
