@@ -65,3 +65,13 @@ def test_extreme_forward(dtype, block):
     g = torch.Generator().manual_seed(3)
     x = randn(g, 7, 45, dtype=dtype, scale=1e4)
     check_kernel("softmax", lambda *a: k.softmax_fwd(*a, max_block=block), None, {"x": x, "dim": 1}, dtype)
+
+
+@pytest.mark.parametrize("masked", [8, 20, 45])
+def test_a_masked_head_of_whole_chunks(dtype, masked):
+    # leading chunks of −inf add nothing to the running sum (not exp(−inf + inf) = NaN); a row that
+    # is −inf throughout is NaN, as the reference's 0/0
+    g = torch.Generator().manual_seed(5)
+    x = randn(g, 3, 45, dtype=dtype, scale=3.0)
+    x[:, :masked] = -float("inf")
+    _check(x, 1, dtype, max_block=32, chunk=8, tile_elems=32)

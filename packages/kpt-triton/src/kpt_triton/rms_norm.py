@@ -202,7 +202,9 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
         )
     if weight is None:
         return dx, h.new_empty(0)
-    dweight = part.sum(0) if programs else torch.zeros(d, dtype=torch.float32, device=h.device)
+    # one program (a decode step's rows) wrote the whole sum: no reduction to launch
+    dweight = (part[0] if programs == 1 else part.sum(0)) if programs else \
+        torch.zeros(d, dtype=torch.float32, device=h.device)
     return dx, dweight.to(weight.dtype)
 
 

@@ -56,13 +56,16 @@ def _softmax_fwd_kernel(
                  other=-float("inf")).to(tl.float32)
     m = tl.max(x0, axis=1)
     e0 = tl.exp(x0 - m[:, None])
-    s = tl.sum(e0, axis=1)
+    # while a row's elements so far are all −inf (a masked head) there is nothing to sum, and
+    # exp(−inf − (−inf)) would be NaN; a row that is −inf throughout still ends NaN (0 · inf), as 0/0
+    s = tl.where(m == -float("inf"), 0.0, tl.sum(e0, axis=1))
     for c in range(BLOCK_D, D, BLOCK_D):
         mask = row_ok[:, None] & (c + cols < D)[None, :]
         x = tl.load(_pointers(X, rows, c + cols, inner, stride_xo, stride_xd, stride_xi), mask=mask,
                     other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        s = tl.where(m_new == -float("inf"), 0.0,
+                     s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1))
         m = m_new
     inv = 1.0 / s
 
