@@ -67,6 +67,7 @@ def test_wired_only_where_cupy_runs(monkeypatch):
 ])
 def test_matches_float64(monkeypatch, n, v, dtype, eps, reduction, ignored, scale):
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
+    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
     z = (torch.randn(n, v + 8, device="cuda") * scale).to(dtype)[:, :v]  # rows apart by more than V
     target = torch.randint(0, v, (n,), device="cuda")
     target[torch.rand(n, device="cuda") < ignored] = -100
@@ -90,6 +91,7 @@ def test_matches_float64(monkeypatch, n, v, dtype, eps, reduction, ignored, scal
 @pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA GPU: the CUDA C kernel runs nowhere else")
 def test_out_of_range_target_gives_nan(monkeypatch):
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
+    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
     z = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
     loss, _ = native.cross_entropy_fwd(z, torch.tensor([0, 1024, -100], device="cuda"), -100, 0.0, "none", True)
     assert loss[0].isfinite() and loss[1].isnan() and loss[2] == 0
@@ -105,6 +107,7 @@ def test_special_values_as_the_reference(monkeypatch, dtype, eps):
     loss and NaN gradient everywhere, and a ±max logit's row inf gradients, before the kernel took
     its exponents of differences and kept a row's +inf or NaN maximum as its lse)."""
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
+    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
     n, v = 11, 32000
     z = torch.randn(n, v, device="cuda").to(dtype)
     target = torch.randint(0, v, (n,), device="cuda")

@@ -105,6 +105,12 @@ V = 16384: narrower rows stay in L2 between the portable kernel's two reads, and
 multiprocessor leaves most of its threads idle."""
 
 
+ONCHIP_MIN_ROWS_PER_SM = 1
+"""The fewest rows held on chip, per multiprocessor: the kernel gives each row one block, so fewer
+rows leave multiprocessors idle, where the portable kernel cuts each row into spans (one token:
+4.3 µs of GPU time for a 128256-wide forward on an H100, `benchmarks/h100-2026-11-27.md`)."""
+
+
 def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, *,
                       block_v: int = 8192, elems_per_warp: int = 512,
                       programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +118,7 @@ def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, 
     tuning keywords it passes on when it hands a call over."""
     split = None
     if (needs_grad and logits.is_cuda and logits.shape[-1] >= ONCHIP_MIN_V
-            and logits.shape[0] >= multiprocessor_count(logits.device)):
+            and logits.shape[0] >= ONCHIP_MIN_ROWS_PER_SM * multiprocessor_count(logits.device)):
         props = torch.cuda.get_device_properties(logits.device)
         split = onchip_split(logits, props.shared_memory_per_block_optin)
     if split is None:
