@@ -314,9 +314,14 @@ def _targets(g: torch.Generator, n: int, classes: int, ignored: float, ignore_in
 
 def _make_ce(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], scale: float = 1.0,
              layout=identity, reduction: str = "mean", ignored: float = 0.1, label_smoothing: float = 0.0,
-             ignore_index: int = -100) -> Args:
-    logits = layout(randn(g, math.prod(shape[:-1]), shape[-1], dtype=dtype, scale=scale))
-    return {"logits": logits, "target": _targets(g, *logits.shape, ignored, ignore_index),
+             ignore_index: int = -100, masked: int = 0) -> Args:
+    """``masked``: the first classes of every row have logit −inf (a masked head of the vocabulary),
+    and no target is among them."""
+    logits = randn(g, math.prod(shape[:-1]), shape[-1], dtype=dtype, scale=scale)
+    logits[:, :masked] = -float("inf")
+    target = _targets(g, logits.shape[0], logits.shape[1] - masked, ignored, ignore_index)
+    target = torch.where(target == ignore_index, target, target + masked)
+    return {"logits": layout(logits), "target": target,
             "ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction}
 
 
@@ -342,6 +347,10 @@ def _cross_entropy_cases() -> list[Case]:
         case("all_ignored_none", shape=(8, 100), ignored=1.0, reduction="none"),
         case("zero_rows_sum", shape=(0, 512), reduction="sum"),
         case("transposed", shape=(65, 300), layout=transposed),
+        # rows longer than a kernel holds at once, whose first 33000 logits are −inf (one row: cut
+        # across programs): whole leading chunks add nothing to the log-sum-exp (not exp(−inf + inf))
+        case("masked_head", shape=(3, 40000), masked=33000),
+        case("masked_head_one_row", shape=(1, 40000), masked=33000, ignored=0.0),
     ]
 
 
