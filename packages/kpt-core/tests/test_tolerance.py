@@ -156,6 +156,18 @@ def test_an_ill_conditioned_case_is_judged_against_eager_in_its_dtype() -> None:
     assert eager_widened(tol, "dx", eager, ref, 0.0) == tol
 
 
+def test_eager_widening_of_an_oracle_of_zeros_is_absolute() -> None:
+    # smoothed cross-entropy (ε = 1) of equal logits: dz = softmax − 1/V is 0 exactly in float64,
+    # a few float32 roundings elsewhere; no bound relative to max|ref| = 0 can grow
+    ref = torch.zeros(2, 5, dtype=torch.float64)
+    eager = torch.full((2, 5), 1.5e-8, dtype=torch.float32)
+    tol = kpt.tolerance.default_tolerance(torch.bfloat16)
+    widened = eager_widened(tol, "dlogits", eager, ref, 4.0)
+    assert compare("dlogits", eager, ref, widened).ok
+    assert compare("dlogits", eager * 3, ref, widened).ok
+    assert not compare("dlogits", eager * 5, ref, widened).ok
+
+
 def test_each_element_may_match_either_of_two_results() -> None:
     nan, inf = float("nan"), float("inf")
     ref = torch.tensor([1.0, nan, 2.0, inf, 1.0], dtype=torch.float64)
