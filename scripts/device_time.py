@@ -16,23 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from host_overhead import device_us  # this directory's: run as python3 scripts/device_time.py
 
 import kpt
 from kpt.benchmark import _prepare, _runner, eager_call, libraries
 from kpt.sweeps import models_sweep
-
-
-def device_us(run: Callable[[], Any], calls: int = 30) -> float:
-    """Kernel time of one call of ``run`` in microseconds (the profiler's device durations)."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    return sum(ev.self_device_time_total for ev in prof.key_averages()) / calls
 
 
 def implementations(be: kpt.Backend, spec: kpt.KernelSpec) -> dict[str, Callable[..., Any]]:
@@ -66,7 +54,7 @@ def main() -> None:
             res = {}
             for name, fn in impls.items():
                 try:
-                    res[name] = device_us(_runner(fn, spec, args, mode))
+                    res[name] = device_us(_runner(fn, spec, args, mode), calls=30)
                 except Exception as exc:  # a library that cannot take this shape: left out, with why
                     res[name] = float("nan")
                     print(f"<!-- {point.kernel} {name}: {type(exc).__name__}: {str(exc)[:100]} -->")

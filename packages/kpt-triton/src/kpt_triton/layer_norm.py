@@ -113,6 +113,16 @@ def _store_normalized(Y_ROWS, centred, rstd, w, b, cols, mask, HAS_WEIGHT: tl.co
     store_output(Y_ROWS + cols[None, :], y.to(Y_ROWS.dtype.element_ty), mask, STREAM)
 
 
+@triton.jit
+def _bwd_chunk(X, DY, W, rows, cols, D, mean, rstd, stride_xr, stride_xc, stride_dyr, stride_dyc, mask,
+               HAS_WEIGHT: tl.constexpr):
+    """``(x̂, dy, g = dy · w)`` of a later chunk of the backward's rows (x̂ is 0 past the row's end)."""
+    xhat = tl.where(mask, (load_tile(X, rows, cols, stride_xr, stride_xc, mask) - mean) * rstd, 0.0)
+    dy = load_tile(DY, rows, cols, stride_dyr, stride_dyc, mask)
+    g = dy * load_vector(W, cols, D)[None, :] if HAS_WEIGHT else dy
+    return xhat, dy, g
+
+
 @cached_launch
 @triton.jit
 def _layer_norm_bwd_kernel(
@@ -152,11 +162,8 @@ def _layer_norm_bwd_kernel(
         if not ONE_CHUNK:
             for c in range(BLOCK_D, D, BLOCK_D):
                 mask = row_ok[:, None] & (c + cols < D)[None, :]
-                xhat = (load_tile(X, rows, c + cols, stride_xr, stride_xc, mask) - mean) * rstd
-                xhat = tl.where(mask, xhat, 0.0)
-                g = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
-                if HAS_WEIGHT:
-                    g *= load_vector(W, c + cols, D)[None, :]
+                xhat, _, g = _bwd_chunk(X, DY, W, rows, c + cols, D, mean, rstd, stride_xr, stride_xc, stride_dyr,
+                                        stride_dyc, mask, HAS_WEIGHT)
                 sum_g += tl.sum(g, axis=1)
                 sum_gx += tl.sum(g * xhat, axis=1)
         mean_g = (sum_g * inv_d)[:, None]
@@ -172,12 +179,8 @@ def _layer_norm_bwd_kernel(
         if not ONE_CHUNK:
             for c in range(BLOCK_D, D, BLOCK_D):
                 mask = row_ok[:, None] & (c + cols < D)[None, :]
-                xhat = (load_tile(X, rows, c + cols, stride_xr, stride_xc, mask) - mean) * rstd
-                xhat = tl.where(mask, xhat, 0.0)
-                dy = load_tile(DY, rows, c + cols, stride_dyr, stride_dyc, mask)
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * load_vector(W, c + cols, D)[None, :]
+                xhat, dy, g = _bwd_chunk(X, DY, W, rows, c + cols, D, mean, rstd, stride_xr, stride_xc, stride_dyr,
+                                         stride_dyc, mask, HAS_WEIGHT)
                 dx = rstd * (g - mean_g - xhat * mean_gx)
                 tl.store(DX + rows[:, None] * D + c + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
                 col_ok = c + cols < D
