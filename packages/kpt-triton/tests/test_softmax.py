@@ -6,6 +6,7 @@ import torch
 from conftest import check_kernel
 from kpt.spec import randn, strided
 from kpt_triton import softmax as k
+from kpt_triton import tiling
 
 pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
 
@@ -75,3 +76,35 @@ def test_a_masked_head_of_whole_chunks(dtype, masked):
     x = randn(g, 3, 45, dtype=dtype, scale=3.0)
     x[:, :masked] = -float("inf")
     _check(x, 1, dtype, max_block=32, chunk=8, tile_elems=32)
+
+
+
+SPLIT_CASES = {
+    "one_row": ((1, 5000), 1, False, True),
+    "three_rows": ((3, 4100), 1, False, True),
+    "along_dim0": ((5000, 2), 0, False, True),  # outer 1, inner 2: each row is a strided column
+    "strided": ((1, 5000), 1, True, True),
+    # the rows of [2, D, 2] are not one strided matrix: they stay whole
+    "outer_and_inner": ((2, 3000, 2), 1, False, False),
+}
+
+
+@pytest.mark.parametrize("shape,dim,is_strided,split", SPLIT_CASES.values(), ids=SPLIT_CASES.keys())
+def test_few_rows_are_cut_into_spans(dtype, monkeypatch, shape, dim, is_strided, split):
+    # 16 multiprocessors and 1024-column chunks: a 5000-wide row is 5 spans, one program each
+    monkeypatch.setattr(tiling, "multiprocessor_count", lambda device: 16)
+    g = torch.Generator().manual_seed(6)
+    x = randn(g, *shape, dtype=dtype, scale=3.0)
+    x = strided(x) if is_strided else x
+    assert (k._spans(k._as_3d(x, dim), 1024) is not None) == split
+    _check(x, dim, dtype, chunk=1024)
+
+
+@pytest.mark.parametrize("masked", [2100, 5000])
+def test_a_masked_head_across_spans(dtype, monkeypatch, masked):
+    # whole spans of −inf add nothing when the row's statistics are merged; all −inf is NaN (0/0)
+    monkeypatch.setattr(tiling, "multiprocessor_count", lambda device: 16)
+    g = torch.Generator().manual_seed(7)
+    x = randn(g, 2, 5000, dtype=dtype, scale=3.0)
+    x[:, :masked] = -float("inf")
+    _check(x, 1, dtype, chunk=1024)

@@ -35,62 +35,12 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import cdiv, multiprocessor_count, nan_max, next_pow2, persistent_programs, vector, warps
+from .softmax import log_sum_exp, lse_parts_kernel, lse_stats, merged_stats
+from .tiling import cdiv, next_pow2, persistent_programs, row_split, vector, warps
 
 _LSE_ROW, _LSE_SAVED, _LSE_PARTS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 """Where the cross-entropy kernel takes a row's log-sum-exp from: the row itself, ``LSE``, or the
 row's partial statistics in ``PARTS`` (`_lse_parts_kernel`)."""
-
-
-@triton.jit
-def _lse_stats(z_row, BIAS, lo, hi, stride_zv, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr,
-               BLOCK_V: tl.constexpr):
-    """``(m, s, Σz)`` over columns ``[lo, hi)`` of a row: the maximum, ``Σ exp(z − m)`` (online:
-    ``s ← s · exp(m − m') + Σ exp(z − m')`` whenever the maximum grows) and, with ``SMOOTHING``, the
-    sum of the logits."""
-    cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    s = 0.0
-    z_sum = 0.0
-    for c in range(lo, hi, BLOCK_V):
-        mask = c + cols < hi
-        # kept in L2 for the gradient pass where it fits
-        z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf"),
-                    eviction_policy="evict_last").to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
-        # NaN-propagating: a NaN logit beside a +inf one makes the row NaN, not +inf
-        m_new = tl.maximum(m, nan_max(z, 0), propagate_nan=tl.PropagateNan.ALL)
-        # while every logit so far is −inf (a masked head of the vocabulary) there is nothing to
-        # sum, and exp(−inf − (−inf)) would be NaN
-        s = tl.where(m_new == -float("inf"), 0.0, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0))
-        if SMOOTHING:
-            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        m = m_new
-    return m, s, z_sum
-
-
-@triton.jit
-def _lse(m, s):
-    """log Σ exp from `_lse_stats`; a +inf logit makes s NaN (inf − inf): the log-sum-exp is then
-    +inf, as in the reference."""
-    return tl.where(m == float("inf"), m, m + tl.log(s))
-
-
-@cached_launch
-@triton.jit
-def _lse_parts_kernel(Z, BIAS, PARTS, V, stride_zn, stride_zv, span, HAS_BIAS: tl.constexpr,
-                      SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
-    """`_lse_stats` of span ``program_id(1)`` (``span`` columns) of row ``program_id(0)``, into
-    ``PARTS[row, span, :3]``: a row cut across programs when the rows are too few to fill the GPU."""
-    row = tl.program_id(0).to(tl.int64)
-    lo = tl.program_id(1) * span
-    m, s, z_sum = _lse_stats(Z + row * stride_zn, BIAS, lo, tl.minimum(lo + span, V), stride_zv, HAS_BIAS,
-                             SMOOTHING, BLOCK_V)
-    out = PARTS + (row * tl.num_programs(1) + tl.program_id(1)) * 3
-    tl.store(out, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, z_sum)
 
 
 @cached_launch
@@ -130,19 +80,11 @@ def _cross_entropy_row(
 
     z_sum = 0.0
     if LSE_FROM == _LSE_ROW:
-        m, s, z_sum = _lse_stats(z_row, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V)
-        lse = _lse(m, s)
+        m, s, z_sum = lse_stats(z_row, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V)
+        lse = log_sum_exp(m, s)
     elif LSE_FROM == _LSE_PARTS:
-        p = tl.arange(0, BLOCK_P)
-        n_parts = tl.cdiv(V, span)
-        stats = PARTS + (row * n_parts + p) * 3
-        m_p = tl.load(stats, mask=p < n_parts, other=-float("inf"))
-        m = nan_max(m_p, 0)
-        s = tl.sum(tl.where(m_p == -float("inf"), 0.0, tl.load(stats + 1, mask=p < n_parts, other=0.0)
-                            * tl.exp(m_p - m)), axis=0)
-        if SMOOTHING:
-            z_sum = tl.sum(tl.load(stats + 2, mask=p < n_parts, other=0.0), axis=0)
-        lse = _lse(m, s)
+        m, s, z_sum = merged_stats(PARTS, row, tl.cdiv(V, span), SMOOTHING, BLOCK_P)
+        lse = log_sum_exp(m, s)
     else:
         lse = tl.load(LSE + row)
     if LSE_FROM != _LSE_SAVED:
@@ -178,17 +120,6 @@ def _cross_entropy_row(
                      eviction_policy="evict_first")
 
 
-def _row_split(n, v, block, device):
-    """``(block, span)``: rows too few to give every multiprocessor a program are cut into spans
-    of ``span`` columns, one program each (chunks of ``block`` columns, at least 1024), so that a
-    decode step's loss is not one multiprocessor's work; otherwise ``(block, v)``."""
-    per_row = multiprocessor_count(device) // max(n, 1)
-    if per_row < 2 or v <= block:
-        return block, v
-    block = min(block, max(1024, next_pow2(cdiv(v, per_row))))
-    return block, cdiv(cdiv(v, per_row), block) * block
-
-
 def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *, compute_lse, write_loss,
           block_v, elems_per_warp, programs_per_sm):
     """Run the kernel over the rows of ``z``; ``grad`` (None: no gradient pass) is ``[N]`` or 0-dim."""
@@ -202,13 +133,13 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
         if write_loss:
             loss.zero_()
         return
-    block, span = _row_split(n, v, min(next_pow2(v), block_v), z.device)
+    block, span = row_split(n, v, min(next_pow2(v), block_v), z.device)
     n_parts = cdiv(v, span)
     smoothing = label_smoothing > 0
     parts = None
     if compute_lse and n_parts > 1:
         parts = torch.empty(n, n_parts, 3, dtype=torch.float32, device=z.device)
-        _lse_parts_kernel[(n, n_parts)](z, vector(bias), parts, v, z.stride(0), z.stride(1), span,
+        lse_parts_kernel[(n, n_parts)](z, vector(bias), parts, v, z.stride(0), z.stride(1), span,
                                         HAS_BIAS=bias is not None, SMOOTHING=smoothing, BLOCK_V=block,
                                         num_warps=warps(block, elems_per_warp))
     lse_from = _LSE_SAVED if not compute_lse else _LSE_PARTS if parts is not None else _LSE_ROW

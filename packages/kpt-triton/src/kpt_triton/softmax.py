@@ -13,6 +13,12 @@ again to write ``y``. Backward::
 
 Any ``dim`` is handled in place: the tensor is seen as ``[outer, D, inner]`` and row ``r`` is
 ``(r // inner, :, r % inner)``; for the last dimension ``inner`` is 1 and the indexing folds away.
+
+Rows too few to give every multiprocessor two programs (a decode step's one row over a whole
+vocabulary) are cut into spans (`kpt_triton.tiling.row_split`), one program each: a first kernel
+writes each span's partial statistics — ``(m, s)`` of the online sum, or ``Σ dy · y`` — and a
+second merges them per row and writes its span of ``y`` or ``dx``. The partial log-sum-exp
+statistics (`lse_stats`, `lse_parts_kernel`, `merged_stats`) are cross-entropy's too.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import cdiv, row_tiling, store_output, warps
+from .tiling import cdiv, nan_max, next_pow2, row_split, row_tiling, store_output, warps
 
 
 @triton.jit
@@ -33,6 +39,125 @@ def _pointers(BASE, rows, cols, inner, stride_o, stride_d, stride_i):
     base per row plus 32-bit column offsets (no 64-bit arithmetic per element)."""
     row_base = BASE + (rows // inner) * stride_o + (rows % inner) * stride_i
     return row_base[:, None] + (cols * stride_d)[None, :]
+
+
+@triton.jit
+def lse_stats(z_row, BIAS, lo, hi, stride_zv, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """``(m, s, Σz)`` over columns ``[lo, hi)`` of a row: the maximum, ``Σ exp(z − m)`` (online:
+    ``s ← s · exp(m − m') + Σ exp(z − m')`` whenever the maximum grows) and, with ``SMOOTHING``, the
+    sum of the logits."""
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    z_sum = 0.0
+    for c in range(lo, hi, BLOCK_V):
+        mask = c + cols < hi
+        # kept in L2 for the gradient pass where it fits
+        z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
+        # NaN-propagating: a NaN logit beside a +inf one makes the row NaN, not +inf
+        m_new = tl.maximum(m, nan_max(z, 0), propagate_nan=tl.PropagateNan.ALL)
+        # while every logit so far is −inf (a masked head of the vocabulary) there is nothing to
+        # sum, and exp(−inf − (−inf)) would be NaN
+        s = tl.where(m_new == -float("inf"), 0.0, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0))
+        if SMOOTHING:
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        m = m_new
+    return m, s, z_sum
+
+
+@triton.jit
+def log_sum_exp(m, s):
+    """log Σ exp from `lse_stats`; a +inf logit makes s NaN (inf − inf): the log-sum-exp is then
+    +inf, as in the reference."""
+    return tl.where(m == float("inf"), m, m + tl.log(s))
+
+
+@cached_launch
+@triton.jit
+def lse_parts_kernel(Z, BIAS, PARTS, V, stride_zn, stride_zv, span, HAS_BIAS: tl.constexpr,
+                      SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """`lse_stats` of span ``program_id(1)`` (``span`` columns) of row ``program_id(0)``, into
+    ``PARTS[row, span, :3]``: a row cut across programs when the rows are too few to fill the GPU."""
+    row = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * span
+    m, s, z_sum = lse_stats(Z + row * stride_zn, BIAS, lo, tl.minimum(lo + span, V), stride_zv, HAS_BIAS,
+                             SMOOTHING, BLOCK_V)
+    out = PARTS + (row * tl.num_programs(1) + tl.program_id(1)) * 3
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, z_sum)
+
+
+@triton.jit
+def merged_stats(PARTS, row, n_parts, SMOOTHING: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Row ``row``'s ``(m, s, Σz)`` from the ``n_parts`` partial statistics `lse_parts_kernel`
+    wrote (``Σz`` only with ``SMOOTHING``, else 0)."""
+    p = tl.arange(0, BLOCK_P)
+    stats = PARTS + (row * n_parts + p) * 3
+    m_p = tl.load(stats, mask=p < n_parts, other=-float("inf"))
+    m = nan_max(m_p, 0)
+    # a span of −inf only has s = 0, and exp(−inf − m) would be NaN where m is −inf too
+    s = tl.sum(tl.where(m_p == -float("inf"), 0.0, tl.load(stats + 1, mask=p < n_parts, other=0.0)
+                        * tl.exp(m_p - m)), axis=0)
+    z_sum = 0.0
+    if SMOOTHING:
+        z_sum = tl.sum(tl.load(stats + 2, mask=p < n_parts, other=0.0), axis=0)
+    return m, s, z_sum
+
+
+@cached_launch
+@triton.jit
+def _softmax_dot_parts_kernel(Y, DY, PARTS, D, stride_yr, stride_yd, stride_dyr, stride_dyd, span,
+                              BLOCK_D: tl.constexpr):
+    """``Σ dy · y`` over span ``program_id(1)`` of row ``program_id(0)``, into ``PARTS[row, span]``."""
+    row = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * span
+    hi = tl.minimum(lo + span, D)
+    cols = tl.arange(0, BLOCK_D)
+    dot = 0.0
+    for c in range(lo, hi, BLOCK_D):
+        mask = c + cols < hi
+        y = tl.load(Y + row * stride_yr + (c + cols) * stride_yd, mask=mask, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        dy = tl.load(DY + row * stride_dyr + (c + cols) * stride_dyd, mask=mask, other=0.0,
+                     eviction_policy="evict_last").to(tl.float32)
+        dot += tl.sum(y * dy, axis=0)
+    tl.store(PARTS + row * tl.num_programs(1) + tl.program_id(1), dot)
+
+
+@cached_launch
+@triton.jit
+def _softmax_span_kernel(X, DY, OUT, PARTS, D, stride_xr, stride_xd, stride_dyr, stride_dyd, stride_or, stride_od,
+                         span, BACKWARD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Span ``program_id(1)`` of row ``program_id(0)`` from the row's partial statistics in
+    ``PARTS``: the forward's ``y = exp(x − m) / s`` (X is x), or with ``BACKWARD`` ``dx = y · (dy −
+    Σ dy · y)`` (X is y)."""
+    row = tl.program_id(0).to(tl.int64)
+    n_parts = tl.num_programs(1)
+    if BACKWARD:
+        p = tl.arange(0, BLOCK_P)
+        dot = tl.sum(tl.load(PARTS + row * n_parts + p, mask=p < n_parts, other=0.0), axis=0)
+    else:
+        m, s, _ = merged_stats(PARTS, row, n_parts, False, BLOCK_P)
+        inv = 1.0 / s
+    lo = tl.program_id(1) * span
+    hi = tl.minimum(lo + span, D)
+    cols = tl.arange(0, BLOCK_D)
+    for c in range(lo, hi, BLOCK_D):
+        mask = c + cols < hi
+        x = tl.load(X + row * stride_xr + (c + cols) * stride_xd, mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        if BACKWARD:
+            dy = tl.load(DY + row * stride_dyr + (c + cols) * stride_dyd, mask=mask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)
+            out = x * (dy - dot)
+        else:
+            out = tl.exp(x - m) * inv
+        tl.store(OUT + row * stride_or + (c + cols) * stride_od, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @cached_launch
@@ -133,17 +258,44 @@ def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1:]))
 
 
+def _spans(x3: torch.Tensor, chunk: int) -> tuple[int, int] | None:
+    """``(block, span)`` where the rows of ``x3`` (``[outer, D, inner]``) are cut into spans
+    (`kpt_triton.tiling.row_split`); None where they stay whole: enough rows to fill the device,
+    rows of one chunk, or rows that do not form one strided matrix (outer and inner both above 1)."""
+    outer, d, inner = x3.shape
+    if outer > 1 and inner > 1:
+        return None
+    block, span = row_split(outer * inner, d, min(next_pow2(d), chunk), x3.device)
+    return (block, span) if span < d else None
+
+
+def _row_strides(t3: torch.Tensor) -> tuple[int, int]:
+    """``(row stride, column stride)`` of an ``[outer, D, inner]`` tensor whose outer or inner size is 1."""
+    return t3.stride(2) if t3.shape[0] == 1 else t3.stride(0), t3.stride(1)
+
+
 def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
                 elems_per_warp: int = 512, stream: bool = False) -> tuple[torch.Tensor]:
     """``(y,)``. Tuning: rows up to ``max_block`` long are read once, longer ones twice in chunks
-    of ``chunk`` columns; each program handles about ``tile_elems`` elements with one warp per
-    ``elems_per_warp``; ``stream`` writes ``y`` as streamed data (see `kpt_triton.tiling.store_output`)."""
+    of ``chunk`` columns (rows too few to fill the device: in spans, chunks of at most ``chunk``);
+    each program handles about ``tile_elems`` elements with one warp per ``elems_per_warp``;
+    ``stream`` writes ``y`` as streamed data (see `kpt_triton.tiling.store_output`)."""
     x3 = _as_3d(x, dim)
     outer, d, inner = x3.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk)
     n_rows = outer * inner
-    if n_rows and d:
+    spans = _spans(x3, chunk) if n_rows and d else None
+    if spans is not None:
+        block, span = spans
+        n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)
+        parts = torch.empty(n_rows, n_parts, 3, dtype=torch.float32, device=x.device)
+        lse_parts_kernel[(n_rows, n_parts)](x3, x3, parts, d, *_row_strides(x3), span, HAS_BIAS=False,
+                                            SMOOTHING=False, BLOCK_V=block, num_warps=num_warps)
+        _softmax_span_kernel[(n_rows, n_parts)](
+            x3, x3, y, parts, d, *_row_strides(x3), 0, 0, *_row_strides(_as_3d(y, dim)), span, BACKWARD=False,
+            BLOCK_D=block, BLOCK_P=next_pow2(n_parts), num_warps=num_warps)
+    elif n_rows and d:
         _softmax_fwd_kernel[(cdiv(n_rows, block_r),)](
             x3, y, n_rows, d, inner, *x3.stride(),
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
@@ -160,7 +312,17 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
     outer, d, inner = y3.shape
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk)
     n_rows = outer * inner
-    if n_rows and d:
+    spans = _spans(y3, chunk) if n_rows and d else None
+    if spans is not None:
+        block, span = spans
+        n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)
+        parts = torch.empty(n_rows, n_parts, dtype=torch.float32, device=x.device)
+        _softmax_dot_parts_kernel[(n_rows, n_parts)](y3, dy3, parts, d, *_row_strides(y3), *_row_strides(dy3), span,
+                                                     BLOCK_D=block, num_warps=num_warps)
+        _softmax_span_kernel[(n_rows, n_parts)](
+            y3, dy3, dx, parts, d, *_row_strides(y3), *_row_strides(dy3), *_row_strides(_as_3d(dx, dim)), span,
+            BACKWARD=True, BLOCK_D=block, BLOCK_P=next_pow2(n_parts), num_warps=num_warps)
+    elif n_rows and d:
         _softmax_bwd_kernel[(cdiv(n_rows, block_r),)](
             y3, dy3, dx, n_rows, d, inner, *y3.stride(), *dy3.stride(),
             BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),

@@ -92,6 +92,18 @@ def persistent_programs(tiles: int, device: torch.device, programs_per_sm: int) 
 
 
 
+def row_split(n: int, v: int, block: int, device: torch.device) -> tuple[int, int]:
+    """``(block, span)`` for ``n`` rows of ``v`` columns read in chunks of ``block``: rows too few
+    to give every multiprocessor two programs are cut into spans of ``span`` columns, one program
+    each (chunks of at least 1024 columns), so that a decode step's softmax or loss is not one
+    multiprocessor's work; otherwise ``(block, v)``, whole rows."""
+    per_row = multiprocessor_count(device) // max(n, 1)
+    if per_row < 2 or v <= block:
+        return block, v
+    block = min(block, max(1024, next_pow2(cdiv(v, per_row))))
+    return block, cdiv(cdiv(v, per_row), block) * block
+
+
 def spread(n: int, block: int, elems_per_warp: int, device: torch.device) -> tuple[int, int]:
     """``(block, elems_per_warp)`` for an element-wise kernel over ``n`` elements: the tuned values,
     except where ``n`` makes fewer tiles than there are multiprocessors (a decode step's
