@@ -83,14 +83,16 @@ DISPATCH = {  # tokens, hidden, experts, k, skewed
 }
 
 
+@pytest.mark.parametrize("block_pairs", [16, 512], ids=["blocks", "one_block"])
 @pytest.mark.parametrize("shape", DISPATCH.values(), ids=DISPATCH.keys())
-def test_dispatch(dtype, shape):
+def test_dispatch(dtype, shape, block_pairs):
     tokens, hidden, experts, top_k, skewed = shape
     g = torch.Generator().manual_seed(hash(shape) % 2**31)
     args = {"x": randn(g, tokens, hidden, dtype=dtype),
             "indices": _route(g, tokens, experts, top_k, skewed=skewed), "num_experts": experts}
-    # blocks of 16 pairs: the stable order must hold across blocks, and several experts per block
-    check_kernel("moe_dispatch", _with(k.moe_dispatch_fwd, block_pairs=16, block_h=16, block_e=16),
+    # blocks of 16 pairs: the stable order must hold across blocks, and several experts per block;
+    # blocks of 512: every shape's pairs in one block, the one-launch path
+    check_kernel("moe_dispatch", _with(k.moe_dispatch_fwd, block_pairs=block_pairs, block_h=16, block_e=16),
                  _with(k.moe_dispatch_bwd, block_t=4, block_h=16), args, dtype,
                  compare_saved=("offsets", "order"))
 
@@ -194,3 +196,14 @@ def test_round_trip_is_identity():
     assert torch.equal(offsets.cpu(), _offsets(indices.cpu(), 12))
     (y,) = k.moe_combine_fwd(x_sorted, order, torch.ones(50, 3, device=device()))
     assert torch.equal(y, 3 * x)
+
+
+@pytest.mark.parametrize("block_pairs", [2, 128], ids=["blocks", "one_block"])
+def test_dispatch_sorts_unrouted_pairs_last(block_pairs):
+    """Experts outside [0, E) (-1 and 7 of 3) sort after every expert's rows, in pair order."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(41)).to(device())
+    indices = torch.tensor([[1, -1], [7, 0], [1, 2]], dtype=torch.int32).to(device())
+    x_sorted, offsets, order = k.moe_dispatch_fwd(x, indices, 3, block_pairs=block_pairs)
+    assert offsets.tolist() == [0, 1, 3, 4]
+    assert order.tolist() == [3, 0, 4, 5, 1, 2]
+    assert torch.equal(x_sorted, x[[1, 0, 2, 2, 0, 1]])

@@ -17,6 +17,10 @@ expert is outside ``[0, E)`` counts as expert E, so it sorts after every expert'
     row of pair  = before[e, b] + (earlier pairs of block b routed to e)
     x_sorted[row] = x[pair // k],  order[row] = pair
 
+Pairs that fit one block (a decode step) skip the counts: one launch whose every program ranks all
+the pairs (row of pair = pairs of lower experts + earlier pairs of its expert) and copies a slice
+of the columns.
+
 ``grouped_linear`` is one Triton grouped GEMM over E + 2 segments of rows: the rows before the
 first expert's, the E experts', and the rows after the last expert's (the outer two get zeros),
 with bounds from `kpt.kernels.moe.expert_bounds` (offsets clamped to the rows and made
@@ -218,6 +222,38 @@ def _moe_scatter_kernel(
 
 @cached_launch
 @triton.jit
+def _moe_dispatch_one_block_kernel(
+    X, INDICES, X_SORTED, ORDER, OFFSETS,  # X_SORTED contiguous [P, H]
+    P, E, K, H, stride_xt, stride_xh, stride_it, stride_ik,
+    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Dispatch of pairs that fit one block (a decode step) in one launch: every program ranks all
+    pairs itself (a pair's row: the pairs of lower experts, then the earlier pairs of its own) and
+    copies columns ``[program · BLOCK_H, +BLOCK_H)`` of their rows; program 0 writes ``order`` and
+    ``offsets``."""
+    lanes = tl.arange(0, BLOCK_P)
+    ok = lanes < P
+    expert = _expert_of_pair(INDICES, lanes, ok, E, K, stride_it, stride_ik)
+    mine, other = expert[:, None], expert[None, :]
+    before = ok[None, :] & ((other < mine) | ((other == mine) & (lanes[None, :] < lanes[:, None])))
+    row = tl.sum(before.to(tl.int32), 1).to(tl.int64)
+    token = (lanes // K).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = ok[:, None] & (cols[None, :] < H)
+    v = tl.load(X + token[:, None] * stride_xt + cols[None, :] * stride_xh, mask=mask)
+    tl.store(X_SORTED + row[:, None] * H + cols[None, :], v, mask=mask)
+    if tl.program_id(0) == 0:
+        tl.store(ORDER + row, lanes, mask=ok)
+        # an expert's first row is the count of pairs of lower experts; "expert" E's (the pairs out
+        # of range) is the number of routed pairs
+        for e0 in range(0, E + 1, BLOCK_E):
+            experts = e0 + tl.arange(0, BLOCK_E)
+            first = tl.sum((ok[:, None] & (expert[:, None] < experts[None, :])).to(tl.int32), 0)
+            tl.store(OFFSETS + experts, first, mask=experts <= E)
+
+
+@cached_launch
+@triton.jit
 def _invert_kernel(ORDER, INVERSE, P, BLOCK: tl.constexpr):  # INVERSE int32 [P], filled with -1
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < P
@@ -403,7 +439,8 @@ def moe_dispatch_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(x_sorted [T·k, H], offsets int32 [E+1], order int32 [T·k])`` without a host sync.
 
-    ``block_pairs`` pairs per program (the in-block ranking costs ``block_pairs²`` compares).
+    ``block_pairs`` pairs per program (the in-block ranking costs ``block_pairs²`` compares); pairs
+    that fit one block take one launch (`_moe_dispatch_one_block_kernel`), more take three.
     """
     T, k = indices.shape
     H = x.shape[1]
@@ -415,6 +452,13 @@ def moe_dispatch_fwd(
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=x.device)
     num_blocks = cdiv(P, block_pairs)
     block_e = min(block_e, next_pow2(num_experts + 1))
+    if num_blocks == 1:
+        block_h = min(block_h, next_pow2(H))
+        _moe_dispatch_one_block_kernel[(max(cdiv(H, block_h), 1),)](  # program 0 even for H = 0
+            x, indices, x_sorted, order, offsets, P, num_experts, k, H, *x.stride(), *indices.stride(),
+            BLOCK_P=next_pow2(P), BLOCK_H=block_h, BLOCK_E=block_e, num_warps=num_warps,
+        )
+        return x_sorted, offsets, order
     counts = torch.empty((num_experts + 1, num_blocks), dtype=torch.int32, device=x.device)
     _moe_count_kernel[(num_blocks,)](
         indices, counts, P, num_experts, k, num_blocks, *indices.stride(),
