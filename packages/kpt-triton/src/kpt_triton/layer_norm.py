@@ -31,10 +31,12 @@ from .tiling import (
     cdiv,
     load_tile,
     load_vector,
+    partial_sums,
     persistent_programs,
     row_statistics_options,
     row_tiling,
     store_output,
+    total,
     vector,
     warps,
 )
@@ -191,9 +193,9 @@ def _layer_norm_bwd_kernel(
                     part = DB_PART + pid * D + c + cols
                     tl.store(part, tl.load(part, mask=col_ok) + tl.sum(dy, axis=0), mask=col_ok)
     if HAS_WEIGHT:
-        tl.store(DW_PART + pid * D + cols, dw0, mask=cols < D)
+        tl.store(DW_PART + pid * D + cols, dw0.to(DW_PART.dtype.element_ty), mask=cols < D)
     if HAS_BIAS:
-        tl.store(DB_PART + pid * D + cols, db0, mask=cols < D)
+        tl.store(DB_PART + pid * D + cols, db0.to(DB_PART.dtype.element_ty), mask=cols < D)
 
 
 def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: int = 2048,
@@ -228,10 +230,7 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     programs = persistent_programs(cdiv(n_rows, block_r), x.device, programs_per_sm)
-    # Rows wider than one chunk add into the partial buffers, so they must start at zero.
-    alloc = torch.zeros if d > block_d else torch.empty
-    parts = [alloc((programs, d) if p is not None else (0,), dtype=torch.float32, device=x.device)
-             for p in (weight, bias)]
+    parts = [partial_sums(p, programs, d, d <= block_d, x) for p in (weight, bias)]
     if programs:
         _layer_norm_bwd_kernel[(programs,)](
             x2, vector(weight), mean, rstd, dy2, dx, *parts, n_rows, d,
@@ -240,9 +239,4 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
             num_warps=warps(block_r * block_d, elems_per_warp),
         )
-    # one program (a decode step's rows) wrote the whole sums: no reduction to launch
-    grads = [
-        x.new_empty(0) if p is None else (part[0] if programs == 1 else part.sum(0)).to(p.dtype)
-        for p, part in zip((weight, bias), parts, strict=True)
-    ]
-    return dx, grads[0], grads[1]
+    return dx, total(parts[0], weight), total(parts[1], bias)

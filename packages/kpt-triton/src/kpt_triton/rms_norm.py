@@ -25,7 +25,18 @@ import triton.language as tl
 from kpt.spec import rows
 
 from .launch import cached_launch
-from .tiling import cdiv, load_tile, load_vector, persistent_programs, row_statistics_options, row_tiling, vector, warps
+from .tiling import (
+    cdiv,
+    load_tile,
+    load_vector,
+    partial_sums,
+    persistent_programs,
+    row_statistics_options,
+    row_tiling,
+    total,
+    vector,
+    warps,
+)
 
 
 @triton.jit
@@ -150,7 +161,7 @@ def _rms_norm_bwd_kernel(
                     tl.store(part, tl.load(part, mask=c + cols < D) + tl.sum(dy * hhat, axis=0),
                              mask=c + cols < D)
     if HAS_WEIGHT:
-        tl.store(DW_PART + pid * D + cols, dw0, mask=cols < D)
+        tl.store(DW_PART + pid * D + cols, dw0.to(DW_PART.dtype.element_ty), mask=cols < D)
 
 
 @triton.jit
@@ -189,9 +200,7 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
     dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
     programs = persistent_programs(cdiv(n_rows, block_r), h.device, programs_per_sm)
-    # Rows wider than one chunk add into the partial buffer, so it must start at zero.
-    part = (torch.zeros if d > block_d else torch.empty)(
-        (programs, d) if weight is not None else (0,), dtype=torch.float32, device=h.device)
+    part = partial_sums(weight, programs, d, d <= block_d, h)
     if programs:
         _rms_norm_bwd_kernel[(programs,)](
             h2, vector(weight), rstd, dy2, dh2, dx, part, n_rows, d,
@@ -200,12 +209,7 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
             num_warps=warps(block_r * block_d, elems_per_warp),
         )
-    if weight is None:
-        return dx, h.new_empty(0)
-    # one program (a decode step's rows) wrote the whole sum: no reduction to launch
-    dweight = (part[0] if programs == 1 else part.sum(0)) if programs else \
-        torch.zeros(d, dtype=torch.float32, device=h.device)
-    return dx, dweight.to(weight.dtype)
+    return dx, total(part, weight)
 
 
 def rms_norm_fwd(x, weight, eps, *, max_block: int = 16384, tile_elems: int = 2048,

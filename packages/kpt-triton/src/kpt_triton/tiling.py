@@ -104,6 +104,27 @@ def row_split(n: int, v: int, block: int, device: torch.device) -> tuple[int, in
     return block, cdiv(cdiv(v, per_row), block) * block
 
 
+def partial_sums(param: torch.Tensor | None, programs: int, d: int, one_chunk: bool,
+                 like: torch.Tensor) -> torch.Tensor:
+    """The buffer into which a backward's persistent programs write their partial sums of the
+    gradient of ``param`` (``[d]``): one float32 row per program, zeros where rows are wider than one
+    chunk (later chunks add into it). A single program of one-chunk rows (a decode step's) writes the
+    whole sum once, in ``param``'s dtype, so that neither a reduction nor a cast follows (`total`).
+    Without ``param``, an empty tensor of the dtype of ``like`` (the input), which `total` returns."""
+    if param is None:
+        return like.new_empty(0)
+    if programs == 1 and one_chunk:
+        return torch.empty(1, d, dtype=param.dtype, device=like.device)
+    return (torch.empty if one_chunk else torch.zeros)(programs, d, dtype=torch.float32, device=like.device)
+
+
+def total(part: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of ``param`` from the buffer of `partial_sums` (that buffer without ``param``)."""
+    if param is None:
+        return part
+    return (part[0] if part.shape[0] == 1 else part.sum(0)).to(param.dtype)
+
+
 def spread(n: int, block: int, elems_per_warp: int, device: torch.device) -> tuple[int, int]:
     """``(block, elems_per_warp)`` for an element-wise kernel over ``n`` elements: the tuned values,
     except where ``n`` makes fewer tiles than there are multiprocessors (a decode step's
