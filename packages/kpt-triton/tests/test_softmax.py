@@ -86,18 +86,22 @@ SPLIT_CASES = {
     "strided": ((1, 5000), 1, True, True),
     # the rows of [2, D, 2] are not one strided matrix: they stay whole
     "outer_and_inner": ((2, 3000, 2), 1, False, False),
+    # rows the whole-row kernel reads in two chunks: split only from four multiprocessors a row
+    "two_chunks_four_rows": ((4, 2000), 1, False, True),
+    "two_chunks_eight_rows": ((8, 2000), 1, False, False),
 }
 
 
 @pytest.mark.parametrize("shape,dim,is_strided,split", SPLIT_CASES.values(), ids=SPLIT_CASES.keys())
 def test_few_rows_are_cut_into_spans(dtype, monkeypatch, shape, dim, is_strided, split):
     # 16 multiprocessors and 1024-column chunks: a 5000-wide row is 5 spans, one program each
+    # (1024-column whole-row reads: rows of 3 or more chunks are split from 2 spans a row up)
     monkeypatch.setattr(tiling, "multiprocessor_count", lambda device: 16)
     g = torch.Generator().manual_seed(6)
     x = randn(g, *shape, dtype=dtype, scale=3.0)
     x = strided(x) if is_strided else x
-    assert (k._spans(k._as_3d(x, dim), 1024) is not None) == split
-    _check(x, dim, dtype, chunk=1024)
+    assert (k._spans(k._as_3d(x, dim), 1024, 1024) is not None) == split
+    _check(x, dim, dtype, chunk=1024, max_block=1024)
 
 
 @pytest.mark.parametrize("masked", [2100, 5000])
@@ -107,4 +111,4 @@ def test_a_masked_head_across_spans(dtype, monkeypatch, masked):
     g = torch.Generator().manual_seed(7)
     x = randn(g, 2, 5000, dtype=dtype, scale=3.0)
     x[:, :masked] = -float("inf")
-    _check(x, 1, dtype, chunk=1024)
+    _check(x, 1, dtype, chunk=1024, max_block=1024)

@@ -208,7 +208,7 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     if n_rows:
         _layer_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
             x2, vector(weight), vector(bias), y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
@@ -228,7 +228,7 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 
     n_rows, d = x2.shape
     dy2 = rows(dy)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     programs = persistent_programs(cdiv(n_rows, block_r), x.device, programs_per_sm)
     parts = [partial_sums(p, programs, d, d <= block_d, x) for p in (weight, bias)]
     if programs:

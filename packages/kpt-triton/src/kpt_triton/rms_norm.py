@@ -180,7 +180,7 @@ def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     res2 = rows(residual) if residual is not None else x2
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     if n_rows:
         _rms_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
             x2, res2, vector(weight), y, h, rstd, n_rows, d,
@@ -198,7 +198,7 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
     dy2 = rows(dy) if dy is not None else torch.zeros_like(h2)
     dh2 = rows(dh) if dh is not None else h2
     dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     programs = persistent_programs(cdiv(n_rows, block_r), h.device, programs_per_sm)
     part = partial_sums(weight, programs, d, d <= block_d, h)
     if programs:

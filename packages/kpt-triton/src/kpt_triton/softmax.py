@@ -258,14 +258,19 @@ def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1:]))
 
 
-def _spans(x3: torch.Tensor, chunk: int) -> tuple[int, int] | None:
+def _spans(x3: torch.Tensor, chunk: int, max_block: int) -> tuple[int, int] | None:
     """``(block, span)`` where the rows of ``x3`` (``[outer, D, inner]``) are cut into spans
     (`kpt_triton.tiling.row_split`); None where they stay whole: enough rows to fill the device,
-    rows of one chunk, or rows that do not form one strided matrix (outer and inner both above 1)."""
+    rows of one chunk, or rows that do not form one strided matrix (outer and inner both above 1).
+
+    Spans read a row twice (statistics, then output). Where the whole-row kernel reads at most two
+    ``max_block`` chunks, rows are cut only from four multiprocessors a row: on the H100, 64 rows of
+    32000 took 6.2 µs cut in two against 5.3 whole, 32 rows 4.7 cut in four against 5.2."""
     outer, d, inner = x3.shape
     if outer > 1 and inner > 1:
         return None
-    block, span = row_split(outer * inner, d, min(next_pow2(d), chunk), x3.device)
+    block, span = row_split(outer * inner, d, min(next_pow2(d), chunk), x3.device,
+                            min_per_row=4 if d <= 2 * max_block else 2)
     return (block, span) if span < d else None
 
 
@@ -283,9 +288,10 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     x3 = _as_3d(x, dim)
     outer, d, inner = x3.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk,
+                                  rows=outer * inner)
     n_rows = outer * inner
-    spans = _spans(x3, chunk) if n_rows and d else None
+    spans = _spans(x3, chunk, max_block) if n_rows and d else None
     if spans is not None:
         block, span = spans
         n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)
@@ -310,9 +316,10 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y3, dy3 = _as_3d(y, dim), _as_3d(dy, dim)
     outer, d, inner = y3.shape
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk)
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk,
+                                  rows=outer * inner)
     n_rows = outer * inner
-    spans = _spans(y3, chunk) if n_rows and d else None
+    spans = _spans(y3, chunk, max_block) if n_rows and d else None
     if spans is not None:
         block, span = spans
         n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)

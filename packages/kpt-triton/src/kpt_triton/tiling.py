@@ -54,12 +54,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def row_tiling(d: int, *, max_block: int, tile_elems: int, chunk: int | None = None) -> tuple[int, int]:
+def row_tiling(d: int, *, max_block: int, tile_elems: int, chunk: int | None = None,
+               rows: int | None = None) -> tuple[int, int]:
     """``(BLOCK_R, BLOCK_D)`` for rows of ``d`` columns: whole rows up to ``max_block`` columns
     (longer rows in chunks of ``chunk`` columns, ``max_block`` if None), then enough rows per tile
-    to reach about ``tile_elems`` elements."""
+    to reach about ``tile_elems`` elements, but no more than the ``rows`` there are (a decode step's
+    one row gets a one-row tile, and the warps that one row needs)."""
     block_d = min(next_pow2(d), max_block) if chunk is None or d <= max_block else chunk
-    return max(1, tile_elems // block_d), block_d
+    block_r = max(1, tile_elems // block_d)
+    return (block_r if rows is None else min(block_r, next_pow2(rows))), block_d
 
 
 def warps(tile: int, elems_per_warp: int, max_warps: int = 16) -> int:
@@ -92,13 +95,13 @@ def persistent_programs(tiles: int, device: torch.device, programs_per_sm: int) 
 
 
 
-def row_split(n: int, v: int, block: int, device: torch.device) -> tuple[int, int]:
-    """``(block, span)`` for ``n`` rows of ``v`` columns read in chunks of ``block``: rows too few
-    to give every multiprocessor two programs are cut into spans of ``span`` columns, one program
-    each (chunks of at least 1024 columns), so that a decode step's softmax or loss is not one
-    multiprocessor's work; otherwise ``(block, v)``, whole rows."""
+def row_split(n: int, v: int, block: int, device: torch.device, min_per_row: int = 2) -> tuple[int, int]:
+    """``(block, span)`` for ``n`` rows of ``v`` columns read in chunks of ``block``: rows so few
+    that every row has ``min_per_row`` multiprocessors or more are cut into spans of ``span``
+    columns, one program each (chunks of at least 1024 columns), so that a decode step's softmax or
+    loss is not one multiprocessor's work; otherwise ``(block, v)``, whole rows."""
     per_row = multiprocessor_count(device) // max(n, 1)
-    if per_row < 2 or v <= block:
+    if per_row < min_per_row or v <= block:
         return block, v
     block = min(block, max(1024, next_pow2(cdiv(v, per_row))))
     return block, cdiv(cdiv(v, per_row), block) * block
