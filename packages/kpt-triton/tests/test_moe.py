@@ -93,7 +93,7 @@ def test_dispatch(dtype, shape, block_pairs):
     # blocks of 16 pairs: the stable order must hold across blocks, and several experts per block;
     # blocks of 512: every shape's pairs in one block, the one-launch path
     check_kernel("moe_dispatch", _with(k.moe_dispatch_fwd, block_pairs=block_pairs, block_h=16, block_e=16),
-                 _with(k.moe_dispatch_bwd, block_t=4, block_h=16), args, dtype,
+                 _with(k.moe_dispatch_bwd, block_t=4, block_h=16, one_block=block_pairs), args, dtype,
                  compare_saved=("offsets", "order"))
 
 
@@ -173,11 +173,31 @@ def _combine_args(g, dtype, tokens, top_k, hidden, weights_like_y, *, layout=ide
             "weights": weights.to(dtype if weights_like_y else torch.float32)}
 
 
+@pytest.mark.parametrize("one_block", [0, 512], ids=["inverse_kernel", "inverted_inside"])
 @pytest.mark.parametrize("shape", COMBINE.values(), ids=COMBINE.keys())
-def test_combine(dtype, shape):
+def test_combine(dtype, shape, one_block):
     g = torch.Generator().manual_seed(hash(shape) % 2**31)
-    check_kernel("moe_combine", _with(k.moe_combine_fwd, block_t=4, block_h=16),
-                 _with(k.moe_combine_bwd, block_r=4, block_h=16), _combine_args(g, dtype, *shape), dtype)
+    check_kernel("moe_combine", _with(k.moe_combine_fwd, block_t=4, block_h=16, one_block=one_block),
+                 _with(k.moe_combine_bwd, block_r=4, block_h=16, one_block=one_block),
+                 _combine_args(g, dtype, *shape), dtype)
+
+
+@pytest.mark.parametrize("one_block", [0, 512], ids=["inverse_kernel", "inverted_inside"])
+def test_combine_ignores_bad_order_values_and_takes_the_last_repeat(one_block):
+    """Unchecked orders: a value outside [0, P) names no pair, and of two rows naming one pair the
+    forward reads the last; the backward gives the other rows and the unnamed pairs 0."""
+    g = torch.Generator().manual_seed(43)
+    y_sorted = randn(g, 4, 3, dtype=torch.float32).to(device())
+    order = torch.tensor([0, 9, 0, 3], dtype=torch.int32).to(device())  # pair 0: rows 0, 2; pairs 1, 2: none
+    weights = torch.tensor([[0.5, 2.0], [3.0, -1.0]]).to(device())
+    (y,) = k.moe_combine_fwd(y_sorted, order, weights, one_block=one_block)
+    torch.testing.assert_close(y, torch.stack([0.5 * y_sorted[2], -1.0 * y_sorted[3]]))
+    dy = randn(g, 2, 3, dtype=torch.float32).to(device())
+    dy_sorted, dweights = k.moe_combine_bwd(y_sorted, order, weights, y, dy, one_block=one_block)
+    zero = torch.zeros(3, device=device())
+    torch.testing.assert_close(dy_sorted, torch.stack([zero, zero, 0.5 * dy[0], -1.0 * dy[1]]))
+    torch.testing.assert_close(dweights, torch.tensor([[(dy[0] * y_sorted[2]).sum(), 0.0],
+                                                       [0.0, (dy[1] * y_sorted[3]).sum()]], device=device()))
 
 
 def test_combine_strided(dtype):

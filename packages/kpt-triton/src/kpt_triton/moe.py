@@ -34,7 +34,9 @@ looping over the expert's rows.
 Combine and the dispatch backward gather each token's k rows through the inverse permutation
 (``row of pair = inverse[pair]``) and sum them, so no two programs write one row. The inverse starts
 at -1 (a pair no row names reads nothing); ``order`` values outside ``[0, T·k)`` are skipped, and
-where rows name one pair the last row wins (an atomic maximum: deterministic). The combine
+where rows name one pair the last row wins (an atomic maximum: deterministic); an order of at most
+``ONE_BLOCK`` rows (a decode step's) is inverted by every program itself, with the same result,
+so that combine, its backward and the dispatch backward are one launch each there. The combine
 backward walks the sorted rows: where ``r = inverse[pair]``, ``dy_sorted[r] = w[pair] · dy[t]``
 and ``dweights[pair] = dy[t] · y_sorted[r]``; other rows get 0.
 """
@@ -261,12 +263,24 @@ def _invert_kernel(ORDER, INVERSE, P, BLOCK: tl.constexpr):  # INVERSE int32 [P]
     tl.atomic_max(INVERSE + pairs, rows, mask=ok & (pairs >= 0) & (pairs < P))
 
 
+@triton.jit
+def _inverse_of(ORDER, pairs, P, BLOCK_P: tl.constexpr):
+    """``inverse[pairs]`` from all ``P <= BLOCK_P`` entries of ORDER at once: the last row naming
+    each pair, -1 for none (what `_invert_kernel` leaves), for orders that fit one block."""
+    r = tl.arange(0, BLOCK_P)
+    named = tl.load(ORDER + r, mask=r < P, other=-1)
+    named = tl.where((named >= 0) & (named < P), named, -1)  # values outside [0, P) name no pair
+    hit = (named[None, :] == pairs[:, None]) & (pairs[:, None] >= 0)
+    return tl.max(tl.where(hit, r[None, :], -1), axis=1)
+
+
 @cached_launch
 @triton.jit
 def _gather_sum_kernel(
-    SRC, INVERSE, W, OUT,  # OUT contiguous [T, H]; W only with HAS_WEIGHTS
-    T, K, H, stride_sr, stride_sh, stride_wt, stride_wk,
-    HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    SRC, INVERSE, W, OUT,  # OUT contiguous [T, H]; W only with HAS_WEIGHTS; INVERSE is ORDER with INVERT
+    T, K, H, P, stride_sr, stride_sh, stride_wt, stride_wk,
+    HAS_WEIGHTS: tl.constexpr, INVERT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # with INVERT: ≥ the P rows of ORDER, whose inverse each program computes
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -275,7 +289,10 @@ def _gather_sum_kernel(
     tokens64 = tokens.to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for s in range(K):
-        row = tl.load(INVERSE + tokens64 * K + s, mask=t_ok, other=-1).to(tl.int64)
+        if INVERT:
+            row = tl.where(t_ok, _inverse_of(INVERSE, tokens * K + s, P, BLOCK_P), -1).to(tl.int64)
+        else:
+            row = tl.load(INVERSE + tokens64 * K + s, mask=t_ok, other=-1).to(tl.int64)
         v = tl.load(SRC + row[:, None] * stride_sr + cols[None, :] * stride_sh, mask=mask & (row[:, None] >= 0),
                     other=0.0)
         if HAS_WEIGHTS:
@@ -291,14 +308,23 @@ def _gather_sum_kernel(
 def _moe_combine_bwd_kernel(
     Y_SORTED, ORDER, INVERSE, W, DY, DY_SORTED, DW,  # DY_SORTED contiguous [P, H], DW contiguous [T, K]
     P, K, H, stride_yr, stride_yh, stride_wt, stride_wk, stride_dyt, stride_dyh,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    INVERT: tl.constexpr,  # all P rows fit BLOCK_P: each program computes the inverse (INVERSE unused)
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < P
     pair = tl.load(ORDER + rows, mask=ok, other=-1)
     named = ok & (pair >= 0) & (pair < P)
     # the forward read this row for its pair only where the inverse points back to it
-    read = named & (tl.load(INVERSE + pair, mask=named, other=-1) == rows)
+    if INVERT:
+        read = named & (_inverse_of(ORDER, pair, P, BLOCK_P) == rows)
+        if tl.program_id(0) == 0:
+            # DW is not zeroed beforehand: the dweights of pairs that no row names are 0
+            every = tl.arange(0, BLOCK_P)
+            unnamed = (every < P) & (_inverse_of(ORDER, every, P, BLOCK_P) < 0)
+            tl.store(DW + every, tl.zeros([BLOCK_P], tl.float32).to(DW.dtype.element_ty), mask=unnamed)
+    else:
+        read = named & (tl.load(INVERSE + pair, mask=named, other=-1) == rows)
     token = (pair // K).to(tl.int64)
     w = tl.load(W + token * stride_wt + (pair % K) * stride_wk, mask=read, other=0.0).to(tl.float32)
     rows64 = rows.to(tl.int64)
@@ -433,9 +459,15 @@ def moe_gating_bwd(
     return (dlogits,)
 
 
+ONE_BLOCK = 128
+"""Pairs (rows of an order) up to this many are a decode step's: dispatch ranks them, and combine
+and the dispatch backward invert the order, inside their one kernel (a ``ONE_BLOCK²`` comparison
+per program) instead of in launches of their own."""
+
+
 def moe_dispatch_fwd(
     x: torch.Tensor, indices: torch.Tensor, num_experts: int,
-    *, block_pairs: int = 128, block_h: int = 256, block_e: int = 128, num_warps: int = 4,
+    *, block_pairs: int = ONE_BLOCK, block_h: int = 256, block_e: int = 128, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(x_sorted [T·k, H], offsets int32 [E+1], order int32 [T·k])`` without a host sync.
 
@@ -484,17 +516,23 @@ def _inverse(order: torch.Tensor, *, block: int = 1024) -> torch.Tensor:
 
 
 def _gather_sum(src: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | None, tokens: int, k: int,
-                out_dtype: torch.dtype, *, block_t: int, block_h: int, num_warps: int) -> torch.Tensor:
-    """``out[t] = Σ_slot weights[t, slot] · src[row of pair t·k + slot]`` (weights 1 when None)."""
+                out_dtype: torch.dtype, *, block_t: int, block_h: int, num_warps: int,
+                one_block: int = ONE_BLOCK) -> torch.Tensor:
+    """``out[t] = Σ_slot weights[t, slot] · src[row of pair t·k + slot]`` (weights 1 when None);
+    an order of at most ``one_block`` rows is inverted inside the kernel (one launch)."""
     H = src.shape[1]
     out = torch.empty((tokens, H), dtype=out_dtype, device=src.device)
     if out.numel() == 0:
         return out
     block_h = min(block_h, next_pow2(H))
     w_strides = weights.stride() if weights is not None else (0, 0)
+    order = vector(order)
+    P = order.numel()
+    invert = P <= one_block
     _gather_sum_kernel[(cdiv(tokens, block_t), cdiv(H, block_h))](
-        src, _inverse(order), weights, out, tokens, k, H, *src.stride(), *w_strides,
-        HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+        src, order if invert else _inverse(order), weights, out, tokens, k, H, P, *src.stride(), *w_strides,
+        HAS_WEIGHTS=weights is not None, INVERT=invert, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_P=next_pow2(P) if invert else 1, num_warps=num_warps,
     )
     return out
 
@@ -503,43 +541,47 @@ def moe_dispatch_bwd(
     x: torch.Tensor, indices: torch.Tensor, num_experts: int,
     x_sorted: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor,
     dx_sorted: torch.Tensor | None, doffsets: torch.Tensor | None, dorder: torch.Tensor | None,
-    *, block_t: int = 16, block_h: int = 256, num_warps: int = 4,
+    *, block_t: int = 16, block_h: int = 256, num_warps: int = 4, one_block: int = ONE_BLOCK,
 ) -> tuple[torch.Tensor]:
     """Returns ``(dx,)``: each token sums the gradients of its k copies (zeros without a gradient)."""
     T, k = indices.shape
     if dx_sorted is None:
         return (torch.zeros((T, x.shape[1]), dtype=x.dtype, device=x.device),)
     return (_gather_sum(dx_sorted, order, None, T, k, x.dtype, block_t=block_t, block_h=block_h,
-                        num_warps=num_warps),)
+                        num_warps=num_warps, one_block=one_block),)
 
 
 def moe_combine_fwd(
     y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-    *, block_t: int = 16, block_h: int = 256, num_warps: int = 4,
+    *, block_t: int = 16, block_h: int = 256, num_warps: int = 4, one_block: int = ONE_BLOCK,
 ) -> tuple[torch.Tensor]:
     """Returns ``(y [T, H],)`` in y_sorted's dtype, float32 accumulation."""
     T, k = weights.shape
     return (_gather_sum(y_sorted, order, weights, T, k, y_sorted.dtype, block_t=block_t, block_h=block_h,
-                        num_warps=num_warps),)
+                        num_warps=num_warps, one_block=one_block),)
 
 
 def moe_combine_bwd(
     y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
     y: torch.Tensor, dy: torch.Tensor | None,
-    *, block_r: int = 16, block_h: int = 256, num_warps: int = 4,
+    *, block_r: int = 16, block_h: int = 256, num_warps: int = 4, one_block: int = ONE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(dy_sorted, dweights)`` like y_sorted and weights; zeros without a gradient."""
+    """Returns ``(dy_sorted, dweights)`` like y_sorted and weights; zeros without a gradient. An
+    order of at most ``one_block`` rows is inverted inside the kernel (one launch)."""
     P, H = y_sorted.shape
     T, k = weights.shape
-    # dweights of a pair that no row names stay 0
-    dweights = torch.zeros((T, k), dtype=weights.dtype, device=weights.device)
+    invert = dy is not None and 0 < P <= one_block
+    # dweights of a pair that no row names are 0 (with ``invert`` the kernel writes them)
+    dweights = (torch.empty if invert else torch.zeros)((T, k), dtype=weights.dtype, device=weights.device)
     dy_sorted = (torch.zeros if dy is None else torch.empty)((P, H), dtype=y_sorted.dtype, device=y_sorted.device)
     if dy is None or P == 0:
         return dy_sorted, dweights
+    order = vector(order)
     _moe_combine_bwd_kernel[(cdiv(P, block_r),)](
-        y_sorted, vector(order), _inverse(order), weights, dy, dy_sorted, dweights, P, k, H,
-        *y_sorted.stride(), *weights.stride(), *dy.stride(),
-        BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(H)), num_warps=num_warps,
+        y_sorted, order, order if invert else _inverse(order), weights, dy, dy_sorted, dweights, P, k, H,
+        *y_sorted.stride(), *weights.stride(), *dy.stride(), INVERT=invert,
+        BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(H)), BLOCK_P=next_pow2(P) if invert else 1,
+        num_warps=num_warps,
     )
     return dy_sorted, dweights
 
