@@ -89,6 +89,8 @@ SPLIT_CASES = {
     # rows the whole-row kernel reads in two chunks: split only from four multiprocessors a row
     "two_chunks_four_rows": ((4, 2000), 1, False, True),
     "two_chunks_eight_rows": ((8, 2000), 1, False, False),
+    # in three chunks: from two
+    "three_chunks_eight_rows": ((8, 3000), 1, False, True),
 }
 
 

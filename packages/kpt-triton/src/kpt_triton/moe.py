@@ -306,9 +306,11 @@ def _gather_sum_kernel(
 @cached_launch
 @triton.jit
 def _moe_combine_bwd_kernel(
-    Y_SORTED, ORDER, INVERSE, W, DY, DY_SORTED, DW,  # DY_SORTED contiguous [P, H], DW contiguous [T, K]
+    Y_SORTED, ORDER, INVERSE, W, DY, DY_SORTED, DW, PART,  # DY_SORTED contiguous [P, H], DW contiguous [T, K]
     P, K, H, stride_yr, stride_yh, stride_wt, stride_wk, stride_dyt, stride_dyh,
-    INVERT: tl.constexpr,  # all P rows fit BLOCK_P: each program computes the inverse (INVERSE unused)
+    # all P rows fit BLOCK_P: each program computes the inverse (INVERSE unused) and takes one column
+    # tile (program_id(1)), whose share of each row's dweight goes to PART [tiles, P] instead of DW
+    INVERT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -318,13 +320,12 @@ def _moe_combine_bwd_kernel(
     # the forward read this row for its pair only where the inverse points back to it
     if INVERT:
         read = named & (_inverse_of(ORDER, pair, P, BLOCK_P) == rows)
-        if tl.program_id(0) == 0:
-            # DW is not zeroed beforehand: the dweights of pairs that no row names are 0
-            every = tl.arange(0, BLOCK_P)
-            unnamed = (every < P) & (_inverse_of(ORDER, every, P, BLOCK_P) < 0)
-            tl.store(DW + every, tl.zeros([BLOCK_P], tl.float32).to(DW.dtype.element_ty), mask=unnamed)
+        h_lo = tl.program_id(1) * BLOCK_H
+        h_hi = tl.minimum(h_lo + BLOCK_H, H)
     else:
         read = named & (tl.load(INVERSE + pair, mask=named, other=-1) == rows)
+        h_lo = 0
+        h_hi = H
     token = (pair // K).to(tl.int64)
     w = tl.load(W + token * stride_wt + (pair % K) * stride_wk, mask=read, other=0.0).to(tl.float32)
     rows64 = rows.to(tl.int64)
@@ -332,7 +333,7 @@ def _moe_combine_bwd_kernel(
     # the loop (a reduction inside the loop reused its shared-memory scratch on every tile, where
     # compute-sanitizer's racecheck reported write-after-write hazards on an H100)
     gy = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(h_lo, h_hi, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = ok[:, None] & (cols[None, :] < H)
         g = tl.load(DY + token[:, None] * stride_dyt + cols[None, :] * stride_dyh, mask=mask & read[:, None],
@@ -342,7 +343,25 @@ def _moe_combine_bwd_kernel(
         gy += g * y.to(tl.float32)
         dy_sorted = (g * w[:, None]).to(DY_SORTED.dtype.element_ty)
         tl.store(DY_SORTED + rows64[:, None] * H + cols[None, :], dy_sorted, mask=mask)
-    tl.store(DW + pair, tl.sum(gy, 1).to(DW.dtype.element_ty), mask=read)
+    if INVERT:
+        tl.store(PART + tl.program_id(1) * P + rows, tl.sum(gy, 1), mask=ok)
+    else:
+        tl.store(DW + pair, tl.sum(gy, 1).to(DW.dtype.element_ty), mask=read)
+
+
+@cached_launch
+@triton.jit
+def _combine_dweights_kernel(PART, ORDER, DW, P, TILES, BLOCK_P: tl.constexpr):
+    """One program: the dweights of an order of at most ``BLOCK_P`` rows from the column tiles'
+    shares in ``PART [TILES, P]`` (by row), summed in tile order: each pair's from the row the
+    forward read for it, 0 for a pair that no row names."""
+    every = tl.arange(0, BLOCK_P)
+    row = _inverse_of(ORDER, every, P, BLOCK_P)
+    has = (every < P) & (row >= 0)
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for t in range(0, TILES):
+        acc += tl.load(PART + t * P + row, mask=has, other=0.0)
+    tl.store(DW + every, acc.to(DW.dtype.element_ty), mask=every < P)
 
 
 @cached_launch
@@ -571,18 +590,29 @@ def moe_combine_bwd(
     P, H = y_sorted.shape
     T, k = weights.shape
     invert = dy is not None and 0 < P <= one_block
-    # dweights of a pair that no row names are 0 (with ``invert`` the kernel writes them)
+    # dweights of a pair that no row names are 0 (with ``invert`` `_combine_dweights_kernel` writes them)
     dweights = (torch.empty if invert else torch.zeros)((T, k), dtype=weights.dtype, device=weights.device)
     dy_sorted = (torch.zeros if dy is None else torch.empty)((P, H), dtype=y_sorted.dtype, device=y_sorted.device)
     if dy is None or P == 0:
         return dy_sorted, dweights
     order = vector(order)
-    _moe_combine_bwd_kernel[(cdiv(P, block_r),)](
-        y_sorted, order, order if invert else _inverse(order), weights, dy, dy_sorted, dweights, P, k, H,
+    block_h = min(block_h, next_pow2(H))
+    if invert:
+        # a decode step's few rows: one program per row block and column tile, then one to sum
+        # the tiles' shares of each dweight (a loop over the columns in one program took 11 µs on
+        # an H100 at 8 rows of 7168, 2-D: see benchmarks/h100-2026-11-27b.md)
+        tiles = max(cdiv(H, block_h), 1)
+        part = torch.empty(tiles, P, dtype=torch.float32, device=y_sorted.device)
+        grid: tuple[int, ...] = (cdiv(P, block_r), tiles)
+    else:
+        part, grid = dweights, (cdiv(P, block_r),)
+    _moe_combine_bwd_kernel[grid](
+        y_sorted, order, order if invert else _inverse(order), weights, dy, dy_sorted, dweights, part, P, k, H,
         *y_sorted.stride(), *weights.stride(), *dy.stride(), INVERT=invert,
-        BLOCK_R=block_r, BLOCK_H=min(block_h, next_pow2(H)), BLOCK_P=next_pow2(P) if invert else 1,
-        num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=next_pow2(P) if invert else 1, num_warps=num_warps,
     )
+    if invert:
+        _combine_dweights_kernel[(1,)](part, order, dweights, P, tiles, BLOCK_P=next_pow2(P))
     return dy_sorted, dweights
 
 
