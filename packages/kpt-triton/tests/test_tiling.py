@@ -78,3 +78,14 @@ def test_norm_forwards_of_narrow_rows_compile_without_fused_multiply_adds():
     counts = {(name, int(width)): int(n) for name, width, n in (line.split("|") for line in done.stdout.split())}
     assert counts[("layer_norm", 17)] == counts[("rms_norm", 17)] == 0, counts
     assert counts[("layer_norm", 4096)] > 0 and counts[("rms_norm", 4096)] > 0, counts  # fusion stays on there
+
+
+@pytest.mark.parametrize("d, rows, expected", [
+    (4096, 1, (1, 4096)),      # a decode step's row: one row a tile, not four
+    (4096, 3, (4, 4096)),      # the tuned four rows
+    (17, 3, (4, 32)),          # 128 elements: cut to the rows there are
+    (1, 1, (16384, 1)),        # a tile of one element is not made: the tuned tile stays
+    (4096, None, (4, 4096)),
+])
+def test_row_tiling_holds_no_more_rows_than_there_are(d, rows, expected) -> None:
+    assert tiling.row_tiling(d, max_block=16384, tile_elems=16384, rows=rows) == expected

@@ -59,10 +59,19 @@ def row_tiling(d: int, *, max_block: int, tile_elems: int, chunk: int | None = N
     """``(BLOCK_R, BLOCK_D)`` for rows of ``d`` columns: whole rows up to ``max_block`` columns
     (longer rows in chunks of ``chunk`` columns, ``max_block`` if None), then enough rows per tile
     to reach about ``tile_elems`` elements, but no more than the ``rows`` there are (a decode step's
-    one row gets a one-row tile, and the warps that one row needs)."""
+    one row gets a one-row tile, and the warps that one row needs) where such a tile keeps
+    `MIN_TILE` elements."""
     block_d = min(next_pow2(d), max_block) if chunk is None or d <= max_block else chunk
     block_r = max(1, tile_elems // block_d)
-    return (block_r if rows is None else min(block_r, next_pow2(rows))), block_d
+    if rows is not None and next_pow2(rows) * block_d >= MIN_TILE:
+        block_r = min(block_r, next_pow2(rows))
+    return block_r, block_d
+
+
+MIN_TILE = 128
+"""The fewest elements of a tile that `row_tiling` cuts down to the rows there are: four a lane of
+one warp. Smaller ones are not made: on an H100 a one-element layer_norm (1 × 1, float32) cut to a
+1 × 1 tile got a wrong backward (relative error 1e302), the 2048 × 1 tile it keeps did not."""
 
 
 def warps(tile: int, elems_per_warp: int, max_warps: int = 16) -> int:
