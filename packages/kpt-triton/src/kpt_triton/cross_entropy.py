@@ -40,7 +40,7 @@ from .tiling import cdiv, next_pow2, persistent_programs, row_split, vector, war
 
 _LSE_ROW, _LSE_SAVED, _LSE_PARTS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 """Where the cross-entropy kernel takes a row's log-sum-exp from: the row itself, ``LSE``, or the
-row's partial statistics in ``PARTS`` (`_lse_parts_kernel`)."""
+row's partial statistics in ``PARTS`` (`kpt_triton.softmax.lse_parts_kernel`)."""
 
 
 @cached_launch

@@ -36,7 +36,8 @@ Combine and the dispatch backward gather each token's k rows through the inverse
 at -1 (a pair no row names reads nothing); ``order`` values outside ``[0, T·k)`` are skipped, and
 where rows name one pair the last row wins (an atomic maximum: deterministic); an order of at most
 ``ONE_BLOCK`` rows (a decode step's) is inverted by every program itself, with the same result,
-so that combine, its backward and the dispatch backward are one launch each there. The combine
+so that combine and the dispatch backward are one launch each there (the combine backward two:
+column tiles, then their shares of each dweight summed in tile order). The combine
 backward walks the sorted rows: where ``r = inverse[pair]``, ``dy_sorted[r] = w[pair] · dy[t]``
 and ``dweights[pair] = dy[t] · y_sorted[r]``; other rows get 0.
 """
@@ -479,9 +480,9 @@ def moe_gating_bwd(
 
 
 ONE_BLOCK = 128
-"""Pairs (rows of an order) up to this many are a decode step's: dispatch ranks them, and combine
-and the dispatch backward invert the order, inside their one kernel (a ``ONE_BLOCK²`` comparison
-per program) instead of in launches of their own."""
+"""Pairs (rows of an order) up to this many are a decode step's: dispatch ranks them, and combine,
+its backward and the dispatch backward invert the order, inside their own kernels (a ``ONE_BLOCK²``
+comparison per program) instead of in launches of their own."""
 
 
 def moe_dispatch_fwd(
@@ -586,7 +587,7 @@ def moe_combine_bwd(
     *, block_r: int = 16, block_h: int = 256, num_warps: int = 4, one_block: int = ONE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(dy_sorted, dweights)`` like y_sorted and weights; zeros without a gradient. An
-    order of at most ``one_block`` rows is inverted inside the kernel (one launch)."""
+    order of at most ``one_block`` rows is inverted inside the kernels (no inverse launch)."""
     P, H = y_sorted.shape
     T, k = weights.shape
     invert = dy is not None and 0 < P <= one_block
@@ -598,9 +599,9 @@ def moe_combine_bwd(
     order = vector(order)
     block_h = min(block_h, next_pow2(H))
     if invert:
-        # a decode step's few rows: one program per row block and column tile, then one to sum
-        # the tiles' shares of each dweight (a loop over the columns in one program took 11 µs on
-        # an H100 at 8 rows of 7168, 2-D: see benchmarks/h100-2026-11-27b.md)
+        # a decode step's few rows: one program per row block and column tile, then one to sum the
+        # tiles' shares of each dweight (on an H100, 8 rows of 7168: 11.1 µs looping over the
+        # columns in one program, 4.2 in 2-D; benchmarks/h100-2026-11-27b.md)
         tiles = max(cdiv(H, block_h), 1)
         part = torch.empty(tiles, P, dtype=torch.float32, device=y_sorted.device)
         grid: tuple[int, ...] = (cdiv(P, block_r), tiles)
