@@ -327,11 +327,14 @@ def transposed(t: torch.Tensor) -> torch.Tensor:
 ROW_SHAPES: dict[str, tuple[int, ...]] = {
     "llm": (4, 32, 4096),
     "single_row": (1, 64),
+    "one_element": (1, 1),
     "odd": (3, 17),
     "wide": (17, 1000),
     "long_row": (2, 4097),
 }
-"""Shapes of the row-wise kernels' conformance cases: typical, then the odd sizes 1, 3, 17, 1000, 4097."""
+"""Shapes of the row-wise kernels' conformance cases: typical, then the odd sizes 1, 3, 17, 1000, 4097,
+and a row of one element (a kernel tiled for wider rows may hold it in one lane, or in every lane of
+a warp: on an H100 a 1 × 1 layer_norm backward once came out garbage that way)."""
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:

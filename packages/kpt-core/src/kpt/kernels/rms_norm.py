@@ -140,6 +140,11 @@ def _make(g: torch.Generator, dtype: torch.dtype, *, shape: tuple[int, ...], sca
 def _cases(residual: bool):
     def cases():
         def make(g, dtype, **kw):
+            if kw["shape"][-1] == 1:
+                # a one-element row's dx, eps · rstd³ · dy · w, is the difference of two numbers equal
+                # to within eps / x²: at eps = 1e-6 float32 cannot form it (the reference backend's
+                # own float32 result is 0.7% off), at eps = 1 it is well conditioned
+                kw.setdefault("eps", 1.0)
             return _make(g, dtype, residual=residual, **kw)
 
         def case(name: str, description: str, **kw) -> Case:
