@@ -302,7 +302,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
-    """Flatten every leading dimension: ``[..., D] -> [rows, D]`` (zero-size dims allowed)."""
+    """Flatten every leading dimension: ``[..., D] -> [rows, D]`` (zero-size dims allowed); a 2-D
+    tensor is returned as it is (a reshape to its own shape costs a launcher microseconds of host)."""
+    if t.dim() == 2:
+        return t
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 

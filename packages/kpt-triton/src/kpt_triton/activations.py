@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import as_rows, row_tiling, spread, tile_of, tiles, warps
+from .tiling import as_rows, dense_like, row_tiling, spread, tile_of, tiles, warps
 
 # These constants multiply tensors from the right only: under the interpreter ``constexpr * tensor``
 # is a constexpr that wraps the tensor, which the math functions of Triton 3.9 reject.
@@ -102,7 +102,7 @@ def _act_bwd_kernel(
 
 
 def _forward(act, x, up, block, elems_per_warp):
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = dense_like(x)
     if x.numel():
         x2, up2 = as_rows(x, up if up is not None else x)
         r, d = x2.shape
@@ -117,8 +117,8 @@ def _forward(act, x, up, block, elems_per_warp):
 
 
 def _backward(act, x, up, dy, block, elems_per_warp):
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dup = torch.empty(x.shape, dtype=x.dtype, device=x.device) if up is not None else None
+    dx = dense_like(x)
+    dup = dense_like(x) if up is not None else None
     if x.numel():
         x2, up2, dy2 = as_rows(x, up if up is not None else x, dy)
         r, d = x2.shape

@@ -66,6 +66,13 @@ def _specialize(args: tuple[Any, ...]) -> tuple[list[Any], list[Any]] | None:
     return key, values
 
 
+def _only_device() -> int:
+    """The current device where one is visible: 0, without asking the runtime. Asking costs 0.3 µs in
+    the caller's thread and 4 µs in the autograd engine's device thread, where backward kernels launch
+    (torch.cuda.current_device on an H100 host, `benchmarks/h100-2026-11-27c.md`)."""
+    return 0
+
+
 def _hooked(hook: Any) -> bool:
     """Whether a launch hook is set: a callable, or a chain of them (Triton 3.5 on) holding one."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -119,6 +126,8 @@ class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
         if self._device is None:
             active = driver.active
             self._device, self._stream = active.get_current_device, active.get_current_stream
+            if active.get_device_interface().device_count() == 1:
+                self._device = _only_device
         # the launcher takes every parameter in order, constexprs included (it skips them)
         rest = list(self.fn.signature.parameters.values())[len(args):]
         key = (self._device(), *specialized[0], *kwargs.items())

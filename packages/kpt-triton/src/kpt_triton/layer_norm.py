@@ -29,6 +29,7 @@ from kpt.spec import rows
 from .launch import cached_launch
 from .tiling import (
     cdiv,
+    dense_like,
     load_tile,
     load_vector,
     partial_sums,
@@ -205,7 +206,7 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
     writes ``y`` as streamed data (see `kpt_triton.tiling.store_output`)."""
     x2 = rows(x)
     n_rows, d = x2.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = dense_like(x)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
@@ -227,7 +228,7 @@ def layer_norm_bwd(x, weight, bias, eps, y, mean, rstd, dy, *, max_block: int = 
     x2 = rows(x)
     n_rows, d = x2.shape
     dy2 = rows(dy)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = dense_like(x)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     programs = persistent_programs(cdiv(n_rows, block_r), x.device, programs_per_sm)
     parts = [partial_sums(p, programs, d, d <= block_d, x) for p in (weight, bias)]

@@ -27,6 +27,7 @@ from kpt.spec import rows
 from .launch import cached_launch
 from .tiling import (
     cdiv,
+    dense_like,
     load_tile,
     load_vector,
     partial_sums,
@@ -176,8 +177,8 @@ def _store_rms_dx(DX, DH, rows, cols, D, stride_dhr, stride_dhc, g, hhat, rstd, 
 def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
     x2 = rows(x)
     n_rows, d = x2.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    y = dense_like(x)
+    h = dense_like(x) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     res2 = rows(residual) if residual is not None else x2
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
@@ -197,7 +198,7 @@ def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, pr
     n_rows, d = h2.shape
     dy2 = rows(dy) if dy is not None else torch.zeros_like(h2)
     dh2 = rows(dh) if dh is not None else h2
-    dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dx = dense_like(h)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     programs = persistent_programs(cdiv(n_rows, block_r), h.device, programs_per_sm)
     part = partial_sums(weight, programs, d, d <= block_d, h)

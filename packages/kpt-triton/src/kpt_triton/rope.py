@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import cdiv, next_pow2, store_output, warps
+from .tiling import cdiv, dense_like, next_pow2, store_output, warps
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _rope_kernel(
 
 def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
     """Rotate ``q`` and ``k`` (either may be None: nothing to rotate) in one launch."""
-    outs = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k)]
+    outs = [None if t is None else dense_like(t) for t in (q, k)]
     t0 = q if q is not None else k
     b, _, s, d = t0.shape
     # a shared table is the per-batch table with batch stride 0 (strides given, no expanded view)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import cdiv, nan_max, next_pow2, row_split, row_tiling, store_output, warps
+from .tiling import cdiv, dense_like, nan_max, next_pow2, row_split, row_tiling, store_output, warps
 
 
 @triton.jit
@@ -290,7 +290,7 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     ``stream`` writes ``y`` as streamed data (see `kpt_triton.tiling.store_output`)."""
     x3 = _as_3d(x, dim)
     outer, d, inner = x3.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = dense_like(x)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk,
                                   rows=outer * inner)
     n_rows = outer * inner
@@ -316,7 +316,7 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
 def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
                 elems_per_warp: int = 512) -> tuple[torch.Tensor]:
     """``(dx,)`` from the saved output ``y``; tuning as `softmax_fwd`."""
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = dense_like(x)
     y3, dy3 = _as_3d(y, dim), _as_3d(dy, dim)
     outer, d, inner = y3.shape
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk,

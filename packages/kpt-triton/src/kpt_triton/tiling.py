@@ -79,6 +79,13 @@ def warps(tile: int, elems_per_warp: int, max_warps: int = 16) -> int:
     return max(1, min(max_warps, next_pow2(tile // elems_per_warp)))
 
 
+def dense_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized contiguous tensor of ``t``'s shape, dtype and device: a launcher's output.
+    (``torch.empty(t.shape, dtype=t.dtype, device=t.device)`` reads three attributes in Python and
+    parses three arguments: twice the host time.)"""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def as_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """2-D views of same-shaped tensors for an element-wise kernel: one row of every element
     when all are contiguous, else their ``[rows, last dim]`` views (strides kept)."""
@@ -121,18 +128,19 @@ def partial_sums(param: torch.Tensor | None, programs: int, d: int, one_chunk: b
     """The buffer into which a backward's persistent programs write their partial sums of the
     gradient of ``param`` (``[d]``): one float32 row per program, zeros where rows are wider than one
     chunk (later chunks add into it). A single program of one-chunk rows (a decode step's) writes the
-    whole sum once, in ``param``'s dtype, so that neither a reduction nor a cast follows (`total`).
-    Without ``param``, an empty tensor of the dtype of ``like`` (the input), which `total` returns."""
+    whole sum once, in ``param``'s dtype, into a ``[d]`` buffer that is the gradient itself (`total`:
+    no reduction, no cast, no indexing). Without ``param``, an empty tensor of the dtype of ``like``
+    (the input), which `total` returns."""
     if param is None:
         return like.new_empty(0)
     if programs == 1 and one_chunk:
-        return torch.empty(1, d, dtype=param.dtype, device=like.device)
+        return torch.empty(d, dtype=param.dtype, device=like.device)
     return (torch.empty if one_chunk else torch.zeros)(programs, d, dtype=torch.float32, device=like.device)
 
 
 def total(part: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
     """The gradient of ``param`` from the buffer of `partial_sums` (that buffer without ``param``)."""
-    if param is None:
+    if param is None or part.dim() == 1:
         return part
     return (part[0] if part.shape[0] == 1 else part.sum(0)).to(param.dtype)
 
