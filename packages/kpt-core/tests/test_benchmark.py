@@ -25,9 +25,10 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def test_bench_options_parse() -> None:
     args = parser().parse_args(["bench", "--backend", "cuda", "--kernels", "rms_norm,softmax", "--sweep", "models",
-                                "--plot", "--no-compile", "--out", "somewhere"])
-    assert (args.backend, args.kernels, args.sweep, args.plot, args.no_compile, args.out) == (
-        "cuda", "rms_norm,softmax", "models", True, True, "somewhere")
+                                "--plot", "--no-compile", "--graphs", "--out", "somewhere"])
+    assert (args.backend, args.kernels, args.sweep, args.plot, args.no_compile, args.graphs, args.out) == (
+        "cuda", "rms_norm,softmax", "models", True, True, True, "somewhere")
+    assert parser().parse_args(["bench"]).graphs is False
     assert args.run.__name__ == "_bench"
     with pytest.raises(SystemExit):
         parser().parse_args(["bench", "--sweep", "nope"])
@@ -54,6 +55,11 @@ def test_bench_on_a_cpu_backend_says_it_needs_a_gpu(monkeypatch: pytest.MonkeyPa
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--backend", "reference"])
     assert "backend 'reference' runs on the CPU" in str(exit_.value)
+
+
+def test_graph_timing_needs_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match="CUDA-graph timing needs a CUDA device"):
+        benchmark.time_ms(lambda: None, torch.device("cpu"), graphs=True)
 
 
 def test_bench_rejects_unknown_kernels() -> None:

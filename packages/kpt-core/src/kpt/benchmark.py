@@ -54,7 +54,8 @@ from .tolerance import default_tolerance
 SCHEMA_VERSION = 1
 """Of ``bench.json``: ``schema_version``, ``backend``, then what `kpt.overview.provenance` records
 (``versions``, ``device``, ``machine``, ``timestamp``), then the run's ``environment`` (the backend's
-facts), ``ceilings``, ``sweep`` and its results."""
+facts), ``ceilings``, ``sweep``, ``timing`` ("calls", or "CUDA-graph replays" with ``--graphs``) and its
+results."""
 
 PEERS = ("eager", "compile", "library")
 """The columns a kernel is compared with; "library" is the fastest library present."""
@@ -64,10 +65,19 @@ LIGER = {"rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu",
 """The kernels whose library peer is Liger-Kernel (n/a where it is not installed)."""
 
 
-def time_ms(fn: Callable[[], Any], device: torch.device, warmup: float = 25, rep: float = 100) -> float:
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup: float = 25, rep: float = 100,
+            graphs: bool = False) -> float:
     """Median time of ``fn`` in milliseconds: device events after ``warmup`` ms of warm-up, ``rep``
     ms of calls, the L2 cache flushed before each (``triton.testing.do_bench``) on GPUs; wall clock
-    on CPUs."""
+    on CPUs. With ``graphs`` (CUDA GPUs), ``fn`` is captured in a CUDA graph, about ``rep`` ms of
+    calls in a row, and replayed (``triton.testing.do_bench_cudagraph``): no host time, no L2 flush
+    between calls, what a program that replays its step from a graph sees."""
+    if graphs:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA-graph timing needs a CUDA device, not {device.type}")
+        from triton.testing import do_bench_cudagraph
+
+        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     if device.type != "cpu":
         try:
             from triton.testing import do_bench
@@ -352,10 +362,12 @@ def measure(backend: Backend, spec: KernelSpec, case: Case, dtype: torch.dtype, 
 
 def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label: str, dtype: torch.dtype,
                  mode: str, ceilings: Ceilings, compare_with: tuple[str, ...], warmup: float = 25,
-                 rep: float = 100, compile_once: bool = False) -> Measurement:
+                 rep: float = 100, compile_once: bool = False, graphs: bool = False) -> Measurement:
     """`measure` at prepared inputs ``args``. ``compile_once`` keeps one compiled function per
     kernel across shapes (torch's automatic dynamic shapes, as a user gets; compiling each shape
-    anew would not fit a sweep in minutes) instead of compiling this shape alone."""
+    anew would not fit a sweep in minutes) instead of compiling this shape alone. ``graphs``: every
+    implementation replayed from a CUDA graph (`time_ms`); one that cannot be captured is left out
+    with its error (kpt's own: a failure)."""
     device = backend.device()
     result = Measurement(spec.name, label, str(dtype).removeprefix("torch."), mode)
     eager = eager_call(spec, backend)
@@ -411,7 +423,7 @@ def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label
         names = list(runners)
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             try:
-                samples[name].append(time_ms(runners[name], device, warmup / rounds, rep / rounds))
+                samples[name].append(time_ms(runners[name], device, warmup / rounds, rep / rounds, graphs))
             except Exception as exc:
                 if name == "backend":
                     result.wrong = _message(exc)
@@ -578,10 +590,12 @@ def _args_bytes(args: dict[str, Any]) -> int:
 
 def run_sweep(backend: Backend, points: list[Point], dtype: torch.dtype, ceilings: Ceilings, *,
               no_compile: bool = False, warmup: float = 5, rep: float = 25, host: bool = True,
-              quiet: bool = False, time_limit: float | None = None) -> tuple[list[Measurement], list[HostCost]]:
-    """Measure every point of a sweep in every mode; then the host cost of each kernel's smallest
-    point. A failure (wrong result, error, out of memory) is recorded at its point, and the sweep
-    goes on. Points not started within ``time_limit`` seconds are recorded as skipped."""
+              quiet: bool = False, time_limit: float | None = None,
+              graphs: bool = False) -> tuple[list[Measurement], list[HostCost]]:
+    """Measure every point of a sweep in every mode (``graphs``: replayed from CUDA graphs, see
+    `time_ms`); then the host cost of each kernel's smallest point. A failure (wrong result, error,
+    out of memory) is recorded at its point, and the sweep goes on. Points not started within
+    ``time_limit`` seconds are recorded as skipped."""
     device = backend.device()
     results: list[Measurement] = []
     smallest: dict[str, tuple[int, str, dict[str, Any]]] = {}
@@ -612,7 +626,7 @@ def run_sweep(backend: Backend, points: list[Point], dtype: torch.dtype, ceiling
                 started = time.perf_counter()
                 try:
                     r = measure_args(backend, spec, args, p.case.name, dt, mode, ceilings, peers, warmup, rep,
-                                     compile_once=True)
+                                     compile_once=True, graphs=graphs)
                 except Exception as exc:  # one shape's failure must not hide the others' numbers
                     r = Measurement(p.kernel, p.case.name, str(dt).removeprefix("torch."), mode, wrong=_message(exc))
                 r.seconds = time.perf_counter() - started
@@ -743,6 +757,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the dtype where a shape names none")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves compile time)")
     parser.add_argument("--no-host", action="store_true", help="skip the host cost of small calls")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time every implementation replayed from a CUDA graph (no host time, no L2 flush): "
+                             "what a serving loop that captures its step sees; the default times calls as "
+                             "eager code makes them")
     parser.add_argument("--rep-ms", type=float, default=None,
                         help="timing per implementation and shape (default: 100 ms for perf, 20 for the others)")
     parser.add_argument("--time-limit", type=float, default=None,
@@ -779,6 +797,8 @@ def run(opts: argparse.Namespace) -> int:
     if device.type == "cpu":
         sys.exit(f"kpt bench times kernels on a GPU, and backend {backend.name!r} runs on the CPU: "
                  "name a GPU backend with --backend (kpt info lists them).")
+    if opts.graphs and device.type != "cuda":
+        sys.exit(f"--graphs replays CUDA graphs; backend {backend.name!r} runs on {device.type}")
     dtype = getattr(torch, opts.dtype)
     started = time.perf_counter()
     ceilings = Ceilings.measure(device)
@@ -786,19 +806,22 @@ def run(opts: argparse.Namespace) -> int:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     limit = opts.time_limit if opts.time_limit is not None else (None if opts.sweep == "perf" else TIME_LIMIT)
     results, costs = run_sweep(backend, points, dtype, ceilings, no_compile=opts.no_compile, warmup=rep / 4,
-                               rep=rep, host=not opts.no_host, quiet=opts.quiet, time_limit=limit or None)
+                               rep=rep, host=not opts.no_host, quiet=opts.quiet, time_limit=limit or None,
+                               graphs=opts.graphs)
     base = baselines(device) if not opts.no_host else {}
     wall = time.perf_counter() - started
     env = backend.environment()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"schema_version": SCHEMA_VERSION, "backend": backend.name, **provenance(device),
-              "environment": env, "ceilings": asdict(ceilings), "sweep": opts.sweep, "shapes": len(points),
+              "environment": env, "ceilings": asdict(ceilings), "sweep": opts.sweep,
+              "timing": "CUDA-graph replays" if opts.graphs else "calls", "shapes": len(points),
               "timings": len(results), "wall_s": wall, "worst": worst(results),
               "host_baselines_us": base, "host_us": [asdict(c) for c in costs],
               "results": [asdict(r) for r in results]}
     (out / "bench.json").write_text(json.dumps(report, indent=1))
-    title = (f"kpt benchmark, sweep {opts.sweep}: {len(points)} shapes, {len(results)} timings, "
+    timing = ", every implementation replayed from CUDA graphs" if opts.graphs else ""
+    title = (f"kpt benchmark, sweep {opts.sweep}{timing}: {len(points)} shapes, {len(results)} timings, "
              f"{sum(1 for r in results if r.wrong)} wrong or failed, "
              f"{sum(1 for r in results if r.skipped)} skipped at the time limit, {wall:.0f} s.")
     table = markdown(results, env, ceilings, costs, base, title)
