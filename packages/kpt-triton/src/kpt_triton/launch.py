@@ -126,7 +126,8 @@ class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
         if self._device is None:
             active = driver.active
             self._device, self._stream = active.get_current_device, active.get_current_stream
-            if active.get_device_interface().device_count() == 1:
+            interface = getattr(active, "get_device_interface", None)  # the torch module of the device
+            if interface is not None and interface().device_count() == 1:
                 self._device = _only_device
         # the launcher takes every parameter in order, constexprs included (it skips them)
         rest = list(self.fn.signature.parameters.values())[len(args):]
