@@ -336,8 +336,8 @@ ROW_SHAPES: dict[str, tuple[int, ...]] = {
     "long_row": (2, 4097),
 }
 """Shapes of the row-wise kernels' conformance cases: typical, then the odd sizes 1, 3, 17, 1000, 4097,
-and a row of one element (a kernel tiled for wider rows may hold it in one lane, or in every lane of
-a warp: on an H100 a 1 × 1 layer_norm backward once came out garbage that way)."""
+and a row of one element, which a kernel tiled for wider rows may hold in one lane, or in every lane
+of a warp."""
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:
