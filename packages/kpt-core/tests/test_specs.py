@@ -186,3 +186,15 @@ def test_a_call_tolerance_defaults_to_the_kernel_tolerance_and_is_asked_with_the
     y = torch.empty(2, 16)
     assert tolerance_for(Strict(), "gelu", torch.float32, y, args={"x": x}, output="y").reason == "wide rows"
     assert tolerance_for(Strict(), "gelu", torch.float32, y) == kpt.default_tolerance(torch.float32)
+
+
+def test_rows_flattens_leading_dimensions_and_keeps_2d_tensors() -> None:
+    from kpt.spec import rows
+
+    t = torch.arange(24.0).reshape(2, 3, 4)
+    r = rows(t)
+    assert r.shape == (6, 4) and r.data_ptr() == t.data_ptr()
+    m = torch.empty(5, 7).t()  # a 2-D tensor is returned as it is, strides and all
+    assert rows(m) is m
+    assert rows(torch.empty(0, 3, 2)).shape == (0, 2)
+    assert rows(torch.empty(4)).shape == (1, 4)

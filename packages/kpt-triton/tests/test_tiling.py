@@ -89,3 +89,28 @@ def test_norm_forwards_of_narrow_rows_compile_without_fused_multiply_adds():
 ])
 def test_row_tiling_holds_no_more_rows_than_there_are(d, rows, expected) -> None:
     assert tiling.row_tiling(d, max_block=16384, tile_elems=16384, rows=rows) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_sums_of_one_program_are_the_gradient_itself(dtype) -> None:
+    """One program of one-chunk rows writes the whole sum once in the parameter's dtype: the buffer
+    is ``[d]`` and `total` returns it as it is (no reduction, cast or indexing); more programs, or
+    chunked rows, get float32 partial rows that `total` sums and casts."""
+    param = torch.ones(5, dtype=dtype)
+    like = torch.empty(3, 5, dtype=dtype)
+    one = tiling.partial_sums(param, 1, 5, True, like)
+    assert one.shape == (5,) and one.dtype == dtype
+    assert tiling.total(one, param) is one
+    chunked = tiling.partial_sums(param, 1, 5, False, like)
+    assert chunked.shape == (1, 5) and chunked.dtype == torch.float32 and not chunked.any()
+    many = tiling.partial_sums(param, 3, 5, True, like)
+    many.copy_(torch.arange(15, dtype=torch.float32).reshape(3, 5))
+    summed = tiling.total(many, param)
+    assert summed.dtype == dtype and torch.equal(summed, many.sum(0).to(dtype))
+    assert tiling.partial_sums(None, 3, 5, True, like).numel() == 0
+
+
+def test_dense_like_is_contiguous_whatever_the_layout() -> None:
+    t = torch.empty(6, 4, dtype=torch.float16).t()
+    out = tiling.dense_like(t)
+    assert out.shape == t.shape and out.dtype == t.dtype and out.is_contiguous()
