@@ -291,9 +291,8 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     x3 = _as_3d(x, dim)
     outer, d, inner = x3.shape
     y = dense_like(x)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk,
-                                  rows=outer * inner)
     n_rows = outer * inner
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
     spans = _spans(x3, chunk, max_block) if n_rows and d else None
     if spans is not None:
         block, span = spans
@@ -319,9 +318,8 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
     dx = dense_like(x)
     y3, dy3 = _as_3d(y, dim), _as_3d(dy, dim)
     outer, d, inner = y3.shape
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk,
-                                  rows=outer * inner)
     n_rows = outer * inner
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
     spans = _spans(y3, chunk, max_block) if n_rows and d else None
     if spans is not None:
         block, span = spans
