@@ -59,6 +59,22 @@ def test_attention_library_choice():
     assert attention.available() is (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9)
 
 
+@pytest.mark.parametrize("sq", [2, 8])
+def test_causal_mask_is_the_last_columns_of_a_cached_band(sq):
+    """The causal bias for cuDNN hides exactly the keys j > i + Skv - Sq of query i, for every key
+    length served by one band (a decode loop's growing cache), and those lengths share its storage."""
+    q = torch.empty(3, 4, sq, 64, dtype=torch.bfloat16)
+    bands = set()
+    for skv in (8, 16, 24, 512, 520, 1016, 1024):
+        mask = attention._causal_mask(q, skv)
+        i, j = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
+        expected = torch.where(j > i + skv - sq, float("-inf"), 0.0).to(torch.bfloat16)
+        assert mask.shape == (3, 4, sq, skv) and torch.equal(mask[2, 3], expected), skv
+        assert mask.stride(-2) % 8 == 0 and mask.data_ptr() % 16 == 0  # rows as cuDNN reads them
+        bands.add(mask.untyped_storage().data_ptr())
+    assert len(bands) == 5  # widths 8, 16, 32 (for 24), 512, 1024 (for 520, 1016 and 1024)
+
+
 def test_fused_kernels_get_aligned_views():
     """A view at an odd storage offset, or with a row stride that is not 16-byte aligned, is copied
     before it reaches cuDNN or FlashAttention-2 (on an H100 such a view faulted with "misaligned
@@ -92,6 +108,21 @@ def test_misaligned_views_match_the_reference_on_hopper():
     torch.testing.assert_close(o.cpu().double(), expected.detach(), rtol=2e-2, atol=2e-2)
     for got, want in zip((dq, dk, dv), torch.autograd.grad(expected, leaves, do.cpu().double())):
         torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not attention.available(), reason="needs a Hopper GPU (cuDNN and FlashAttention-2)")
+def test_cudnn_with_the_cached_causal_mask_matches_the_reference_on_hopper():
+    """Speculative decode with enough query tiles for cuDNN (`_library`: "cudnn-mask"), key lengths
+    that share a band and one that does not."""
+    g = torch.Generator().manual_seed(4)
+    be, ref = kpt.get_backend("cuda"), kpt.get_backend("reference")
+    for skv in (1024, 1016, 520, 64):
+        q = torch.randn(32, 8, 8, 64, generator=g).bfloat16()
+        k, v = (torch.randn(32, 2, skv, 64, generator=g).bfloat16() for _ in range(2))
+        assert attention._library(q.cuda(), k.cuda(), True, 0.125) == "cudnn-mask"
+        o = be.attention(q.cuda(), k.cuda(), v.cuda(), causal=True)
+        expected = ref.attention(q.double(), k.double(), v.double(), causal=True)
+        torch.testing.assert_close(o.cpu().double(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_grouped_linear_in_the_library_matches_the_reference():

@@ -28,6 +28,7 @@ a zero ``scale`` (where the fused kernels return NaN), queries that see no key (
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ CUDNN_MAX_BACKWARD_HEAD_DIM = 128
 CUDNN_QUERY_TILE = 128
 """Queries per cuDNN work tile (an estimate: what decides between cuDNN and FlashAttention-2)."""
 MAX_MASK_ELEMENTS = 1 << 22
-"""The largest causal mask built for cuDNN (8 MiB in 16 bits); longer calls go to FlashAttention-2."""
+"""The largest causal mask band cached for cuDNN (8 MiB in 16 bits, `_causal_mask`); longer calls go
+to FlashAttention-2."""
 
 _aten = torch.ops.aten
 
@@ -71,19 +73,48 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "flash"
     if not causal:
         return "cudnn"
-    return "cudnn-mask" if skv % 8 == 0 and sq * skv <= MAX_MASK_ELEMENTS else "flash"
+    return "cudnn-mask" if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS else "flash"
 
 
 def _multiprocessors(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
+def _band_width(skv: int) -> int:
+    """The key count of the cached mask that serves ``skv`` keys: the next power of two (``skv`` is a
+    positive multiple of 8, so the width is too)."""
+    return 1 << (skv - 1).bit_length()
+
+
 def _causal_mask(q: torch.Tensor, skv: int) -> torch.Tensor:
     """kpt's bottom-right causal mask as cuDNN's additive bias: -inf where key j is hidden from
-    query i (j > i + Skv - Sq), one [Sq, Skv] matrix broadcast over batch and heads."""
+    query i (j > i + Skv - Sq), one [Sq, Skv] matrix broadcast over batch and heads.
+
+    A decode loop calls with one query length and a growing key length, so the mask is the last
+    ``skv`` columns of a cached band ``W = _band_width(skv)`` keys wide (whose own mask hides
+    j > i + W - Sq: the same keys, shifted by W - Skv); building it per call cost two launches and
+    about 45 µs of host time. Rows stay W apart, 16-byte aligned. While a CUDA graph is captured
+    the band is built for the call (a band made then would be filled only when the graph replays)."""
     b, h, sq, _ = q.shape
-    mask = torch.full((sq, skv), float("-inf"), dtype=q.dtype, device=q.device).triu_(skv - sq + 1)
-    return mask.expand(b, h, sq, skv)
+    width = _band_width(skv)
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    band = (_band if capturing else _cached_band)(sq, width, q.dtype, q.device)
+    return band[:, width - skv:].expand(b, h, sq, skv)
+
+
+def _band(sq: int, width: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """-inf where key j of ``width`` is hidden from query i of ``sq`` (j > i + width - sq), else 0."""
+    return torch.full((sq, width), float("-inf"), dtype=dtype, device=dev).triu_(width - sq + 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_band(sq: int, width: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """`_band`, kept (at most 8, each at most `MAX_MASK_ELEMENTS`) and filled before any stream
+    reads it: a later call may run on another stream."""
+    band = _band(sq, width, dtype, dev)
+    if band.is_cuda:
+        torch.cuda.current_stream(dev).synchronize()
+    return band
 
 
 def _fused_layout(t: torch.Tensor) -> torch.Tensor:
