@@ -50,6 +50,10 @@ CE_CASES = {
     # whole leading chunks (and spans) of −inf: their sums must stay 0, not exp(−inf + inf) = NaN
     "masked_head": dict(n=3, v=40, masked=20),
     "masked_head_one_row": dict(n=1, v=3000, masked=2100, ignored=0.0),
+    # rows 8 elements wider than the vocabulary: logits and gradient rows start alike within a
+    # 16-byte vector (aligned reads, `kpt_triton.tiling.row_vector`); 9 wider: they do not
+    "row_stride_v_plus_8": dict(n=9, v=203, layout=lambda t: torch.cat([t, t.new_zeros(t.shape[0], 8)], 1)[:, :203]),
+    "row_stride_v_plus_9": dict(n=9, v=203, layout=lambda t: torch.cat([t, t.new_zeros(t.shape[0], 9)], 1)[:, :203]),
 }
 
 

@@ -114,3 +114,34 @@ def test_a_masked_head_across_spans(dtype, monkeypatch, masked):
     x = randn(g, 2, 5000, dtype=dtype, scale=3.0)
     x[:, :masked] = -float("inf")
     _check(x, 1, dtype, chunk=1024, max_block=1024)
+
+
+def _padded(x, pad):
+    """``x`` as the first columns of rows ``pad`` elements wider (a row stride other than its width)."""
+    return torch.cat([x, torch.zeros(x.shape[0], pad, dtype=x.dtype)], 1)[:, :x.shape[1]]
+
+
+ALIGNED_CASES = {
+    # rows of 2051 start at every offset within a 16-byte vector: heads and tails read apart
+    "odd_width": (lambda x: x, True),
+    "row_stride_2059": (lambda x: _padded(x, 8), True),  # starts at the offsets of y's rows
+    "row_stride_2060": (lambda x: _padded(x, 9), False),  # at other offsets than y's: not aligned
+    "unaligned_base": (lambda x: _padded(x, 1)[:, 1:], False),
+}
+
+
+@pytest.mark.parametrize("tuning", [{}, {"max_block": 1024, "chunk": 512, "tile_elems": 512}],
+                         ids=["one_chunk", "chunks"])
+@pytest.mark.parametrize("case", ALIGNED_CASES)
+def test_odd_widths_one_row_a_program_in_aligned_vectors(dtype, monkeypatch, case, tuning):
+    # one row a program, no spans; 2051 columns (not a multiple of 16) take the span kernel with its
+    # own statistics and aligned vectors where every tensor's rows start alike within a vector
+    monkeypatch.setattr(tiling, "multiprocessor_count", lambda device: 1)
+    layout, aligned = ALIGNED_CASES[case]
+    g = torch.Generator().manual_seed(8)
+    x = layout(randn(g, 9, 2051 + (case == "unaligned_base"), dtype=dtype, scale=3.0))
+    y = torch.empty(x.shape, dtype=dtype)
+    vec = tiling.row_vector(x.shape[1], (x, x.stride(0), x.stride(1)), (y, y.stride(0), 1))
+    assert vec == (16 // x.element_size() if aligned else 1)
+    _check(x, 1, dtype, **tuning)
+

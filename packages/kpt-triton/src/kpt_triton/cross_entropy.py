@@ -36,7 +36,18 @@ import triton.language as tl
 
 from .launch import cached_launch
 from .softmax import log_sum_exp, lse_parts_kernel, lse_stats, merged_stats
-from .tiling import cdiv, next_pow2, persistent_programs, row_split, vector, warps
+from .tiling import (
+    aligned,
+    aligned_span,
+    cdiv,
+    edge_columns,
+    next_pow2,
+    persistent_programs,
+    row_split,
+    row_vector,
+    vector,
+    warps,
+)
 
 _LSE_ROW, _LSE_SAVED, _LSE_PARTS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 """Where the cross-entropy kernel takes a row's log-sum-exp from: the row itself, ``LSE``, or the
@@ -59,11 +70,26 @@ def _cross_entropy_kernel(
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr,  # ≥ the partial statistics per row (_LSE_PARTS)
+    VEC: tl.constexpr,  # > 1: rows of Z and DZ read in aligned vectors (kpt_triton.tiling.row_vector)
 ):
     for row in range(tl.program_id(0), N, tl.num_programs(0)):
         _cross_entropy_row(Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, PARTS, tl.cast(row, tl.int64), V, stride_zn,
                            stride_zv, stride_g, stride_dzn, ignore_index, label_smoothing, span, HAS_BIAS, SMOOTHING,
-                           LSE_FROM, WRITE_LOSS, WRITE_GRAD, BLOCK_V, BLOCK_P)
+                           LSE_FROM, WRITE_LOSS, WRITE_GRAD, BLOCK_V, BLOCK_P, VEC)
+
+
+@triton.jit
+def _write_grad(Z_AT, BIAS, col0, DZ_AT, cols, mask, stride_zv, target, kept, g, lse, label_smoothing, V,
+                HAS_BIAS: tl.constexpr):
+    """``dz`` at columns ``cols`` of the row at ``Z_AT``, which is column ``col0`` of the vocabulary."""
+    z = tl.load(Z_AT + cols * stride_zv, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(BIAS + col0 + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.exp(z - lse) - label_smoothing / V
+    d -= tl.where(col0 + cols == target, 1.0 - label_smoothing, 0.0)
+    # selected: an ignored row's inf or NaN logits reach nothing (0 · NaN)
+    tl.store(DZ_AT + cols, tl.where(kept, g * d, 0.0).to(DZ_AT.dtype.element_ty), mask=mask,
+             eviction_policy="evict_first")
 
 
 @triton.jit
@@ -71,8 +97,10 @@ def _cross_entropy_row(
     Z, TARGET, BIAS, GRAD, LOSS, LSE, DZ, PARTS, row, V, stride_zn, stride_zv, stride_g, stride_dzn, ignore_index,
     label_smoothing, span, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr, LSE_FROM: tl.constexpr,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    z_row = Z + row * stride_zn
+    start = row * stride_zn
+    z_row = Z + start
     target = tl.load(TARGET + row)
     kept = target != ignore_index
     cols = tl.arange(0, BLOCK_V)
@@ -80,7 +108,7 @@ def _cross_entropy_row(
 
     z_sum = 0.0
     if LSE_FROM == _LSE_ROW:
-        m, s, z_sum = lse_stats(z_row, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V)
+        m, s, z_sum = lse_stats(Z, start, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V, VEC)
         lse = log_sum_exp(m, s)
     elif LSE_FROM == _LSE_PARTS:
         m, s, z_sum = merged_stats(PARTS, row, tl.cdiv(V, span), SMOOTHING, BLOCK_P)
@@ -105,19 +133,27 @@ def _cross_entropy_row(
         g = tl.load(GRAD + row * stride_g).to(tl.float32)  # an ignored row's dz is 0 (the store's select)
         lo = tl.program_id(1) * span
         hi = tl.minimum(lo + span, V)
+        dz_row = DZ + row * stride_dzn
+        a, n = aligned_span(start, lo, hi, VEC)
+        if VEC > 1:
+            edge, edge_mask = edge_columns(lo, a, n, hi, VEC)
+            _write_grad(z_row, BIAS, 0, dz_row, edge, edge_mask, stride_zv, target, kept, g, lse, label_smoothing, V,
+                        HAS_BIAS)
+        z_at = Z + aligned(start, a, stride_zv, VEC)
+        dz_at = DZ + aligned(row * stride_dzn, a, 1, VEC)
         # last chunk first: the chunks the log-sum-exp pass read last are the likeliest still in L2
-        for c_rev in range(0, hi - lo, BLOCK_V):
-            c = lo + (tl.cdiv(hi - lo, BLOCK_V) - 1) * BLOCK_V - c_rev
-            mask = c + cols < hi
-            z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            if HAS_BIAS:
-                z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
-            d = tl.exp(z - lse) - label_smoothing / V
-            d -= tl.where(c + cols == target, 1.0 - label_smoothing, 0.0)
-            # selected: an ignored row's inf or NaN logits reach nothing (0 · NaN)
-            tl.store(DZ + row * stride_dzn + c + cols, tl.where(kept, g * d, 0.0).to(DZ.dtype.element_ty), mask=mask,
-                     eviction_policy="evict_first")
+        for c_rev in range(0, n, BLOCK_V):
+            c = (tl.cdiv(n, BLOCK_V) - 1) * BLOCK_V - c_rev
+            _write_grad(z_at, BIAS, a, dz_at, c + cols, c + cols < n, stride_zv, target, kept, g, lse,
+                        label_smoothing, V, HAS_BIAS)
+
+
+ALIGNED_CHUNK = 4096
+"""The most logits in a chunk (in warps of at most 512) where rows are read in aligned vectors
+(`kpt_triton.tiling.row_vector`: an odd vocabulary), whose head and tail take registers: on the H100
+chunks of 16384 in 16 warps spilled 120 bytes a thread, and loss with gradient of 8192 × 50257 took
+1521 µs against 1289 in chunks of 4096 in 8 warps (eager 2646, Liger 1939;
+``benchmarks/h100-2026-11-27d.md``)."""
 
 
 def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *, compute_lse, write_loss,
@@ -133,6 +169,9 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
         if write_loss:
             loss.zero_()
         return
+    vec = row_vector(v, (z, z.stride(0), z.stride(1)), *([(dz, dz.stride(0), 1)] if grad is not None else []))
+    if vec > 1:
+        block_v, elems_per_warp = min(block_v, ALIGNED_CHUNK), min(elems_per_warp, 512)
     block, span = row_split(n, v, min(next_pow2(v), block_v), z.device)
     n_parts = cdiv(v, span)
     smoothing = label_smoothing > 0
@@ -140,7 +179,7 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
     if compute_lse and n_parts > 1:
         parts = torch.empty(n, n_parts, 3, dtype=torch.float32, device=z.device)
         lse_parts_kernel[(n, n_parts)](z, vector(bias), parts, v, z.stride(0), z.stride(1), span,
-                                        HAS_BIAS=bias is not None, SMOOTHING=smoothing, BLOCK_V=block,
+                                        HAS_BIAS=bias is not None, SMOOTHING=smoothing, BLOCK_V=block, VEC=vec,
                                         num_warps=warps(block, elems_per_warp))
     lse_from = _LSE_SAVED if not compute_lse else _LSE_PARTS if parts is not None else _LSE_ROW
     grid = (persistent_programs(n, z.device, programs_per_sm), n_parts if grad is not None else 1)
@@ -150,7 +189,7 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
         dz.stride(0) if dz is not None else 0, ignore_index, label_smoothing, span,
         HAS_BIAS=bias is not None, SMOOTHING=smoothing, LSE_FROM=lse_from,
         WRITE_LOSS=write_loss, WRITE_GRAD=grad is not None,
-        BLOCK_V=block, BLOCK_P=next_pow2(n_parts), num_warps=warps(block, elems_per_warp),
+        BLOCK_V=block, BLOCK_P=next_pow2(n_parts), VEC=vec, num_warps=warps(block, elems_per_warp),
     )
 
 

@@ -30,7 +30,20 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
-from .tiling import cdiv, dense_like, nan_max, next_pow2, row_split, row_tiling, store_output, warps
+from .tiling import (
+    aligned,
+    aligned_span,
+    cdiv,
+    dense_like,
+    edge_columns,
+    nan_max,
+    next_pow2,
+    row_split,
+    row_tiling,
+    row_vector,
+    store_output,
+    warps,
+)
 
 
 @triton.jit
@@ -42,30 +55,50 @@ def _pointers(BASE, rows, cols, inner, stride_o, stride_d, stride_i):
 
 
 @triton.jit
-def lse_stats(z_row, BIAS, lo, hi, stride_zv, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr,
-               BLOCK_V: tl.constexpr):
-    """``(m, s, Σz)`` over columns ``[lo, hi)`` of a row: the maximum, ``Σ exp(z − m)`` (online:
-    ``s ← s · exp(m − m') + Σ exp(z − m')`` whenever the maximum grows) and, with ``SMOOTHING``, the
-    sum of the logits."""
-    cols = tl.arange(0, BLOCK_V)
+def _logits(Z_AT, BIAS, col0, cols, mask, stride_zv, HAS_BIAS: tl.constexpr):
+    """Logits ``cols`` from the row pointer ``Z_AT`` (plus the bias from column ``col0``) as float32, −inf
+    outside ``mask``; kept in L2 for the pass that reads them again, where they fit."""
+    z = tl.load(Z_AT + cols * stride_zv, mask=mask, other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(BIAS + col0 + cols, mask=mask, other=0.0).to(tl.float32)
+    return z
+
+
+@triton.jit
+def _fold(m, s, z_sum, z, mask, SMOOTHING: tl.constexpr):
+    """`lse_stats`'s running ``(m, s, Σz)`` with the logits ``z`` added."""
+    # NaN-propagating: a NaN logit beside a +inf one makes the row NaN, not +inf
+    m_new = tl.maximum(m, nan_max(z, 0), propagate_nan=tl.PropagateNan.ALL)
+    # while every logit so far is −inf (a masked head of the vocabulary) there is nothing to sum,
+    # and exp(−inf − (−inf)) would be NaN
+    s = tl.where(m_new == -float("inf"), 0.0, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0))
+    if SMOOTHING:
+        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    return m_new, s, z_sum
+
+
+@triton.jit
+def lse_stats(Z, start, BIAS, lo, hi, stride_zv, HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr,
+              BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """``(m, s, Σz)`` over columns ``[lo, hi)`` of the row whose column 0 is element ``start`` of
+    ``Z``: the maximum, ``Σ exp(z − m)`` (online: ``s ← s · exp(m − m') + Σ exp(z − m')`` whenever
+    the maximum grows) and, with ``SMOOTHING``, the sum of the logits. With ``VEC`` > 1
+    (`kpt_triton.tiling.row_vector`) the columns between aligned vectors are read first, then the
+    aligned ones in 16-byte vectors."""
     m = -float("inf")
     s = 0.0
     z_sum = 0.0
-    for c in range(lo, hi, BLOCK_V):
-        mask = c + cols < hi
-        # kept in L2 for the gradient pass where it fits
-        z = tl.load(z_row + (c + cols) * stride_zv, mask=mask, other=-float("inf"),
-                    eviction_policy="evict_last").to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(BIAS + c + cols, mask=mask, other=0.0).to(tl.float32)
-        # NaN-propagating: a NaN logit beside a +inf one makes the row NaN, not +inf
-        m_new = tl.maximum(m, nan_max(z, 0), propagate_nan=tl.PropagateNan.ALL)
-        # while every logit so far is −inf (a masked head of the vocabulary) there is nothing to
-        # sum, and exp(−inf − (−inf)) would be NaN
-        s = tl.where(m_new == -float("inf"), 0.0, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0))
-        if SMOOTHING:
-            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        m = m_new
+    a, n = aligned_span(start, lo, hi, VEC)
+    if VEC > 1:
+        edge, edge_mask = edge_columns(lo, a, n, hi, VEC)
+        z = _logits(Z + start, BIAS, 0, edge, edge_mask, stride_zv, HAS_BIAS)
+        m, s, z_sum = _fold(m, s, z_sum, z, edge_mask, SMOOTHING)
+    z_at = Z + aligned(start, a, stride_zv, VEC)
+    cols = tl.arange(0, BLOCK_V)
+    for c in range(0, n, BLOCK_V):
+        mask = c + cols < n
+        m, s, z_sum = _fold(m, s, z_sum, _logits(z_at, BIAS, a, c + cols, mask, stride_zv, HAS_BIAS), mask,
+                            SMOOTHING)
     return m, s, z_sum
 
 
@@ -79,13 +112,13 @@ def log_sum_exp(m, s):
 @cached_launch
 @triton.jit
 def lse_parts_kernel(Z, BIAS, PARTS, V, stride_zn, stride_zv, span, HAS_BIAS: tl.constexpr,
-                      SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+                     SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     """`lse_stats` of span ``program_id(1)`` (``span`` columns) of row ``program_id(0)``, into
     ``PARTS[row, span, :3]``: a row cut across programs when the rows are too few to fill the GPU."""
     row = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * span
-    m, s, z_sum = lse_stats(Z + row * stride_zn, BIAS, lo, tl.minimum(lo + span, V), stride_zv, HAS_BIAS,
-                             SMOOTHING, BLOCK_V)
+    m, s, z_sum = lse_stats(Z, row * stride_zn, BIAS, lo, tl.minimum(lo + span, V), stride_zv, HAS_BIAS,
+                            SMOOTHING, BLOCK_V, VEC)
     out = PARTS + (row * tl.num_programs(1) + tl.program_id(1)) * 3
     tl.store(out, m)
     tl.store(out + 1, s)
@@ -109,55 +142,94 @@ def merged_stats(PARTS, row, n_parts, SMOOTHING: tl.constexpr, BLOCK_P: tl.const
     return m, s, z_sum
 
 
+@triton.jit
+def _dot(Y_AT, DY_AT, cols, mask, stride_yd, stride_dyd):
+    """``Σ dy · y`` over columns ``cols`` of the rows at ``Y_AT`` and ``DY_AT``."""
+    y = tl.load(Y_AT + cols * stride_yd, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    dy = tl.load(DY_AT + cols * stride_dyd, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    return tl.sum(y * dy, axis=0)
+
+
+@triton.jit
+def _dot_span(Y, DY, start_y, start_dy, lo, hi, stride_yd, stride_dyd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
+    """``Σ dy · y`` over columns ``[lo, hi)`` of the rows whose column 0 is element ``start_y`` of
+    ``Y`` and ``start_dy`` of ``DY``; aligned as `lse_stats`."""
+    dot = 0.0
+    a, n = aligned_span(start_y, lo, hi, VEC)
+    if VEC > 1:
+        edge, edge_mask = edge_columns(lo, a, n, hi, VEC)
+        dot += _dot(Y + start_y, DY + start_dy, edge, edge_mask, stride_yd, stride_dyd)
+    y_at = Y + aligned(start_y, a, stride_yd, VEC)
+    dy_at = DY + aligned(start_dy, a, stride_dyd, VEC)
+    cols = tl.arange(0, BLOCK_D)
+    for c in range(0, n, BLOCK_D):
+        dot += _dot(y_at, dy_at, c + cols, c + cols < n, stride_yd, stride_dyd)
+    return dot
+
+
 @cached_launch
 @triton.jit
 def _softmax_dot_parts_kernel(Y, DY, PARTS, D, stride_yr, stride_yd, stride_dyr, stride_dyd, span,
-                              BLOCK_D: tl.constexpr):
+                              BLOCK_D: tl.constexpr, VEC: tl.constexpr):
     """``Σ dy · y`` over span ``program_id(1)`` of row ``program_id(0)``, into ``PARTS[row, span]``."""
     row = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * span
-    hi = tl.minimum(lo + span, D)
-    cols = tl.arange(0, BLOCK_D)
-    dot = 0.0
-    for c in range(lo, hi, BLOCK_D):
-        mask = c + cols < hi
-        y = tl.load(Y + row * stride_yr + (c + cols) * stride_yd, mask=mask, other=0.0,
-                    eviction_policy="evict_last").to(tl.float32)
-        dy = tl.load(DY + row * stride_dyr + (c + cols) * stride_dyd, mask=mask, other=0.0,
-                     eviction_policy="evict_last").to(tl.float32)
-        dot += tl.sum(y * dy, axis=0)
+    dot = _dot_span(Y, DY, row * stride_yr, row * stride_dyr, lo, tl.minimum(lo + span, D), stride_yd, stride_dyd,
+                    BLOCK_D, VEC)
     tl.store(PARTS + row * tl.num_programs(1) + tl.program_id(1), dot)
+
+
+@triton.jit
+def _write(X_AT, DY_AT, OUT_AT, cols, mask, stride_xd, stride_dyd, stride_od, m, inv, dot, BACKWARD: tl.constexpr):
+    """Columns ``cols`` of the output row at ``OUT_AT``: ``exp(x − m) · inv``, or with ``BACKWARD``
+    ``y · (dy − dot)`` (X is y)."""
+    x = tl.load(X_AT + cols * stride_xd, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if BACKWARD:
+        dy = tl.load(DY_AT + cols * stride_dyd, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        out = x * (dy - dot)
+    else:
+        out = tl.exp(x - m) * inv
+    tl.store(OUT_AT + cols * stride_od, out.to(OUT_AT.dtype.element_ty), mask=mask)
 
 
 @cached_launch
 @triton.jit
 def _softmax_span_kernel(X, DY, OUT, PARTS, D, stride_xr, stride_xd, stride_dyr, stride_dyd, stride_or, stride_od,
-                         span, BACKWARD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Span ``program_id(1)`` of row ``program_id(0)`` from the row's partial statistics in
-    ``PARTS``: the forward's ``y = exp(x − m) / s`` (X is x), or with ``BACKWARD`` ``dx = y · (dy −
-    Σ dy · y)`` (X is y)."""
+                         span, BACKWARD: tl.constexpr, OWN_STATS: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_P: tl.constexpr, VEC: tl.constexpr):
+    """Span ``program_id(1)`` of row ``program_id(0)``: the forward's ``y = exp(x − m) / s`` (X is
+    x), or with ``BACKWARD`` ``dx = y · (dy − Σ dy · y)`` (X is y), from the row's partial statistics
+    in ``PARTS``, or with ``OWN_STATS`` (one span a row) from statistics this program reads first.
+    With ``VEC`` > 1 (`kpt_triton.tiling.row_vector`) in aligned 16-byte vectors."""
     row = tl.program_id(0).to(tl.int64)
     n_parts = tl.num_programs(1)
+    start_x, start_dy, start_o = row * stride_xr, row * stride_dyr, row * stride_or
+    m, inv, dot = 0.0, 0.0, 0.0
     if BACKWARD:
-        p = tl.arange(0, BLOCK_P)
-        dot = tl.sum(tl.load(PARTS + row * n_parts + p, mask=p < n_parts, other=0.0), axis=0)
+        if OWN_STATS:
+            dot = _dot_span(X, DY, start_x, start_dy, 0, D, stride_xd, stride_dyd, BLOCK_D, VEC)
+        else:
+            p = tl.arange(0, BLOCK_P)
+            dot = tl.sum(tl.load(PARTS + row * n_parts + p, mask=p < n_parts, other=0.0), axis=0)
     else:
-        m, s, _ = merged_stats(PARTS, row, n_parts, False, BLOCK_P)
+        if OWN_STATS:
+            m, s, _ = lse_stats(X, start_x, X, 0, D, stride_xd, False, False, BLOCK_D, VEC)
+        else:
+            m, s, _ = merged_stats(PARTS, row, n_parts, False, BLOCK_P)
         inv = 1.0 / s
     lo = tl.program_id(1) * span
     hi = tl.minimum(lo + span, D)
+    a, n = aligned_span(start_x, lo, hi, VEC)
+    if VEC > 1:
+        edge, edge_mask = edge_columns(lo, a, n, hi, VEC)
+        _write(X + start_x, DY + start_dy, OUT + start_o, edge, edge_mask, stride_xd, stride_dyd, stride_od, m, inv,
+               dot, BACKWARD)
+    x_at = X + aligned(start_x, a, stride_xd, VEC)
+    dy_at = DY + aligned(start_dy, a, stride_dyd, VEC)
+    out_at = OUT + aligned(start_o, a, stride_od, VEC)
     cols = tl.arange(0, BLOCK_D)
-    for c in range(lo, hi, BLOCK_D):
-        mask = c + cols < hi
-        x = tl.load(X + row * stride_xr + (c + cols) * stride_xd, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        if BACKWARD:
-            dy = tl.load(DY + row * stride_dyr + (c + cols) * stride_dyd, mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
-            out = x * (dy - dot)
-        else:
-            out = tl.exp(x - m) * inv
-        tl.store(OUT + row * stride_or + (c + cols) * stride_od, out.to(OUT.dtype.element_ty), mask=mask)
+    for c in range(0, n, BLOCK_D):
+        _write(x_at, dy_at, out_at, c + cols, c + cols < n, stride_xd, stride_dyd, stride_od, m, inv, dot, BACKWARD)
 
 
 @cached_launch
@@ -277,9 +349,21 @@ def _spans(x3: torch.Tensor, chunk: int, max_block: int) -> tuple[int, int] | No
     return (block, span) if span < d else None
 
 
-def _row_strides(t3: torch.Tensor) -> tuple[int, int]:
-    """``(row stride, column stride)`` of an ``[outer, D, inner]`` tensor whose outer or inner size is 1."""
-    return t3.stride(2) if t3.shape[0] == 1 else t3.stride(0), t3.stride(1)
+def _rows(t3: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(t3, row stride, column stride)`` of an ``[outer, D, inner]`` tensor whose outer or inner size
+    is 1 (`kpt_triton.tiling.row_vector`'s form)."""
+    return t3, t3.stride(2) if t3.shape[0] == 1 else t3.stride(0), t3.stride(1)
+
+
+def _one_row_a_program(t3: torch.Tensor, block_r: int, *others: torch.Tensor) -> int:
+    """The vector (`kpt_triton.tiling.row_vector`) with which the span kernel reads whole rows of
+    ``t3`` (and of ``others``, as wide) where the whole-row kernel would give each program one row
+    but not read it in vectors (an odd vocabulary: on the H100, 4096 × 50257 forward 701 against
+    eager's 393 µs); 1 where the whole-row kernel stays."""
+    outer, d, inner = t3.shape
+    if block_r > 1 or (outer > 1 and inner > 1):
+        return 1
+    return row_vector(d, *(_rows(t) for t in (t3, *others)))
 
 
 def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
@@ -292,23 +376,30 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     outer, d, inner = x3.shape
     y = dense_like(x)
     n_rows = outer * inner
+    if not (n_rows and d):
+        return (y,)
+    y3 = _as_3d(y, dim)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
-    spans = _spans(x3, chunk, max_block) if n_rows and d else None
+    spans = _spans(x3, chunk, max_block)
+    vec = _one_row_a_program(x3, block_r if spans is None else 1, y3)
     if spans is not None:
         block, span = spans
         n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)
         parts = torch.empty(n_rows, n_parts, 3, dtype=torch.float32, device=x.device)
-        lse_parts_kernel[(n_rows, n_parts)](x3, x3, parts, d, *_row_strides(x3), span, HAS_BIAS=False,
-                                            SMOOTHING=False, BLOCK_V=block, num_warps=num_warps)
-        _softmax_span_kernel[(n_rows, n_parts)](
-            x3, x3, y, parts, d, *_row_strides(x3), 0, 0, *_row_strides(_as_3d(y, dim)), span, BACKWARD=False,
-            BLOCK_D=block, BLOCK_P=next_pow2(n_parts), num_warps=num_warps)
-    elif n_rows and d:
+        lse_parts_kernel[(n_rows, n_parts)](x3, x3, parts, d, *_rows(x3)[1:], span, HAS_BIAS=False,
+                                            SMOOTHING=False, BLOCK_V=block, VEC=vec, num_warps=num_warps)
+    elif vec > 1:
+        block, span, n_parts, num_warps, parts = block_d, d, 1, warps(block_d, elems_per_warp), None
+    else:
         _softmax_fwd_kernel[(cdiv(n_rows, block_r),)](
             x3, y, n_rows, d, inner, *x3.stride(),
             BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
             num_warps=warps(block_r * block_d, elems_per_warp),
         )
+        return (y,)
+    _softmax_span_kernel[(n_rows, n_parts)](
+        x3, x3, y, parts, d, *_rows(x3)[1:], 0, 0, *_rows(y3)[1:], span, BACKWARD=False, OWN_STATS=parts is None,
+        BLOCK_D=block, BLOCK_P=next_pow2(n_parts), VEC=vec, num_warps=num_warps)
     return (y,)
 
 
@@ -319,20 +410,27 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
     y3, dy3 = _as_3d(y, dim), _as_3d(dy, dim)
     outer, d, inner = y3.shape
     n_rows = outer * inner
+    if not (n_rows and d):
+        return (dx,)
+    dx3 = _as_3d(dx, dim)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
-    spans = _spans(y3, chunk, max_block) if n_rows and d else None
+    spans = _spans(y3, chunk, max_block)
+    vec = _one_row_a_program(y3, block_r if spans is None else 1, dy3, dx3)
     if spans is not None:
         block, span = spans
         n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)
         parts = torch.empty(n_rows, n_parts, dtype=torch.float32, device=x.device)
-        _softmax_dot_parts_kernel[(n_rows, n_parts)](y3, dy3, parts, d, *_row_strides(y3), *_row_strides(dy3), span,
-                                                     BLOCK_D=block, num_warps=num_warps)
-        _softmax_span_kernel[(n_rows, n_parts)](
-            y3, dy3, dx, parts, d, *_row_strides(y3), *_row_strides(dy3), *_row_strides(_as_3d(dx, dim)), span,
-            BACKWARD=True, BLOCK_D=block, BLOCK_P=next_pow2(n_parts), num_warps=num_warps)
-    elif n_rows and d:
+        _softmax_dot_parts_kernel[(n_rows, n_parts)](y3, dy3, parts, d, *_rows(y3)[1:], *_rows(dy3)[1:], span,
+                                                     BLOCK_D=block, VEC=vec, num_warps=num_warps)
+    elif vec > 1:
+        block, span, n_parts, num_warps, parts = block_d, d, 1, warps(block_d, elems_per_warp), None
+    else:
         _softmax_bwd_kernel[(cdiv(n_rows, block_r),)](
             y3, dy3, dx, n_rows, d, inner, *y3.stride(), *dy3.stride(),
             BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, elems_per_warp),
         )
+        return (dx,)
+    _softmax_span_kernel[(n_rows, n_parts)](
+        y3, dy3, dx, parts, d, *_rows(y3)[1:], *_rows(dy3)[1:], *_rows(dx3)[1:], span, BACKWARD=True,
+        OWN_STATS=parts is None, BLOCK_D=block, BLOCK_P=next_pow2(n_parts), VEC=vec, num_warps=num_warps)
     return (dx,)

@@ -185,6 +185,63 @@ def load_vector(PTR, cols, D):
     return tl.load(PTR + cols, mask=cols < D, other=0.0).to(tl.float32)
 
 
+def row_vector(d: int, *rows: tuple[torch.Tensor, int, int]) -> int:
+    """How one-row-a-program kernels read ``d`` columns of rows given as ``(tensor, row stride,
+    column stride)`` (tensors of one element size): ``16 // element size`` where their rows become
+    aligned 16-byte vectors only after a head that differs per row (`aligned_span`), else 1 (read
+    as they are).
+
+    Triton vectorizes a row by itself when the width and the row strides are multiples of 16 and the
+    bases 16-byte aligned (it specializes such arguments). A vocabulary of 50257 or 32001 has none of
+    that: every element was one 2-byte access, and on an H100 softmax over 4096 × 50257 took 1.6× the
+    time of 4096 × 50304 forward and 2.9× backward, cross-entropy 1.6×
+    (``benchmarks/h100-2026-11-27d.md``). The aligned path needs unit column strides, 16-byte aligned
+    bases and row strides equal modulo the vector (so that every row starts at the same offset within
+    a vector in each tensor)."""
+    if d % 16 == 0 and all(r % 16 == 0 for _, r, _ in rows):
+        return 1
+    vec = 16 // rows[0][0].element_size()
+    first = rows[0][1]
+    if vec < 2 or any(c != 1 or t.element_size() * vec != 16 or (r - first) % vec or t.data_ptr() % 16
+                      for t, r, c in rows):
+        return 1
+    return vec
+
+
+@triton.jit
+def aligned_span(start, lo, hi, VEC: tl.constexpr):
+    """``(a, n)``: the ``n`` columns from ``a`` on, within ``[lo, hi)``, that fill whole ``VEC``-element
+    vectors of a row whose column 0 is element ``start`` of a 16-byte aligned base (`row_vector`);
+    fewer than ``VEC`` columns lie on each side (`edge_columns`). ``(lo, hi − lo)`` for ``VEC`` 1."""
+    if VEC > 1:
+        a = tl.minimum(hi, lo + (VEC - (start + lo) % VEC) % VEC)
+        n = tl.multiple_of(tl.maximum(a, hi - (start + hi) % VEC) - a, VEC)
+    else:
+        a, n = lo, hi - lo
+    return a, n
+
+
+@triton.jit
+def aligned(start, col, stride, VEC: tl.constexpr):
+    """``start + col · stride``, declared a multiple of ``VEC`` to the compiler where ``VEC`` > 1 (the
+    offset of `aligned_span`'s column ``a``); undeclared for 1, where a hint would erase what Triton
+    knows (a multiple of 16)."""
+    offset = start + col * stride
+    if VEC > 1:
+        offset = tl.multiple_of(offset, VEC)
+    return offset
+
+
+@triton.jit
+def edge_columns(lo, a, n, hi, VEC: tl.constexpr):
+    """The columns ``[lo, a)`` and ``[a + n, hi)`` around `aligned_span`'s as one ``2·VEC``-wide tile:
+    ``(cols, mask)``."""
+    e = tl.arange(0, 2 * VEC)
+    head = e < VEC
+    cols = tl.where(head, lo + e, a + n + e - VEC)
+    return cols, cols < tl.where(head, a, hi)
+
+
 @triton.jit
 def tile_of(pid, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows (int64), columns and mask of tile ``pid`` of an ``[R, D]`` matrix, columns fastest."""

@@ -86,6 +86,10 @@ def _cases() -> list[Case]:
         # rows longer than a kernel holds at once, whose first 33000 elements are −inf: whole
         # leading chunks of a chunked row add nothing to its running sum (not exp(−inf + inf) = NaN)
         case("masked_head", shape=(3, 40000), masked=33000),
+        # rows wider than a program's tile whose width is not a multiple of 16 (an odd vocabulary):
+        # nine rows start at every offset within a 16-byte vector, so a kernel that reads them in
+        # aligned vectors handles each row's own head and tail
+        case("odd_width", shape=(9, 4099)),
         case("dim0", shape=(257, 33), dim=0),
         case("middle_dim", shape=(4, 129, 16), dim=1),
         case("negative_dim", shape=(3, 100, 5), dim=-2),
