@@ -19,6 +19,11 @@ vocabulary) are cut into spans (`kpt_triton.tiling.row_split`), one program each
 writes each span's partial statistics — ``(m, s)`` of the online sum, or ``Σ dy · y`` — and a
 second merges them per row and writes its span of ``y`` or ``dx``. The partial log-sum-exp
 statistics (`lse_stats`, `lse_parts_kernel`, `merged_stats`) are cross-entropy's too.
+
+Rows of one program each whose width or row stride is not a multiple of 16 (an odd vocabulary)
+go to the span kernel too, one span a row that reads its own statistics first: it reads them in
+aligned 16-byte vectors around a small head and tail (`kpt_triton.tiling.row_vector`), which the
+whole-row kernel's tiles cannot, and Triton would otherwise read such a row two bytes at a time.
 """
 
 from __future__ import annotations
