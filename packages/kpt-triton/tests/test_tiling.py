@@ -114,3 +114,22 @@ def test_dense_like_is_contiguous_whatever_the_layout() -> None:
     t = torch.empty(6, 4, dtype=torch.float16).t()
     out = tiling.dense_like(t)
     assert out.shape == t.shape and out.dtype == t.dtype and out.is_contiguous()
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    return t, t.stride(0), t.stride(1)
+
+
+def test_row_vector_reads_aligned_vectors_only_where_every_row_starts_alike() -> None:
+    odd = torch.empty(9, 2051, dtype=torch.bfloat16)
+    wide = torch.empty(9, 2059, dtype=torch.bfloat16)  # row stride 8 more: the same offsets
+    assert tiling.row_vector(2048, _rows(torch.empty(9, 2048, dtype=torch.bfloat16))) == 1  # Triton's own
+    assert tiling.row_vector(2051, _rows(odd)) == 8
+    assert tiling.row_vector(2051, _rows(odd.float())) == 4
+    assert tiling.row_vector(2051, _rows(odd.double())) == 2
+    assert tiling.row_vector(2051, _rows(odd), _rows(wide[:, :2051])) == 8
+    assert tiling.row_vector(2051, _rows(odd), _rows(torch.empty(9, 2060, dtype=torch.bfloat16)[:, :2051])) == 1
+    assert tiling.row_vector(2051, _rows(torch.empty(9, 2052, dtype=torch.bfloat16)[:, 1:])) == 1  # base
+    assert tiling.row_vector(2051, _rows(torch.empty(9, 4102, dtype=torch.bfloat16)[:, ::2])) == 1  # columns
+    assert tiling.row_vector(2051, _rows(odd), _rows(odd.float())) == 1  # element sizes differ
+    assert tiling.row_vector(2051, _rows(torch.empty(9, 2051, dtype=torch.int8))) == 16  # one byte an element
