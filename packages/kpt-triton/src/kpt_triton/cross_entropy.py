@@ -86,7 +86,7 @@ def _write_grad(Z_AT, BIAS, col0, DZ_AT, cols, mask, stride_zv, target, kept, g,
     if HAS_BIAS:
         z += tl.load(BIAS + col0 + cols, mask=mask, other=0.0).to(tl.float32)
     d = tl.exp(z - lse) - label_smoothing / V
-    d -= tl.where(col0 + cols == target, 1.0 - label_smoothing, 0.0)
+    d -= tl.where(cols == target - col0, 1.0 - label_smoothing, 0.0)
     # selected: an ignored row's inf or NaN logits reach nothing (0 · NaN)
     tl.store(DZ_AT + cols, tl.where(kept, g * d, 0.0).to(DZ_AT.dtype.element_ty), mask=mask,
              eviction_policy="evict_first")
