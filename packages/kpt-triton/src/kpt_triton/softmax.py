@@ -354,21 +354,20 @@ def _spans(x3: torch.Tensor, chunk: int, max_block: int) -> tuple[int, int] | No
     return (block, span) if span < d else None
 
 
-def _rows(t3: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``(t3, row stride, column stride)`` of an ``[outer, D, inner]`` tensor whose outer or inner size
-    is 1 (`kpt_triton.tiling.row_vector`'s form)."""
-    return t3, t3.stride(2) if t3.shape[0] == 1 else t3.stride(0), t3.stride(1)
+def _row_strides(t3: torch.Tensor) -> tuple[int, int]:
+    """``(row stride, column stride)`` of an ``[outer, D, inner]`` tensor whose outer or inner size is 1."""
+    return t3.stride(2) if t3.shape[0] == 1 else t3.stride(0), t3.stride(1)
 
 
-def _one_row_a_program(t3: torch.Tensor, block_r: int, *others: torch.Tensor) -> int:
-    """The vector (`kpt_triton.tiling.row_vector`) with which the span kernel reads whole rows of
-    ``t3`` (and of ``others``, as wide) where the whole-row kernel would give each program one row
-    but not read it in vectors (an odd vocabulary: on the H100, 4096 × 50257 forward 701 against
-    eager's 393 µs); 1 where the whole-row kernel stays."""
-    outer, d, inner = t3.shape
-    if block_r > 1 or (outer > 1 and inner > 1):
+def _vector(*t3s: torch.Tensor) -> int:
+    """The vector (`kpt_triton.tiling.row_vector`) in which one program reads one row of the
+    ``[outer, D, inner]`` tensors ``t3s``; 1 where they are not one strided matrix each. Rows the
+    whole-row kernel would read one a program go to the span kernel where this is above 1 (an odd
+    vocabulary: on the H100, 4096 × 50257 forward 701 against eager's 393 µs before)."""
+    outer, d, inner = t3s[0].shape
+    if outer > 1 and inner > 1:
         return 1
-    return row_vector(d, *(_rows(t) for t in (t3, *others)))
+    return row_vector(d, *((t, *_row_strides(t)) for t in t3s))
 
 
 def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
@@ -386,12 +385,12 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     y3 = _as_3d(y, dim)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
     spans = _spans(x3, chunk, max_block)
-    vec = _one_row_a_program(x3, block_r if spans is None else 1, y3)
+    vec = _vector(x3, y3) if spans is not None or block_r == 1 else 1
     if spans is not None:
         block, span = spans
         n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)
         parts = torch.empty(n_rows, n_parts, 3, dtype=torch.float32, device=x.device)
-        lse_parts_kernel[(n_rows, n_parts)](x3, x3, parts, d, *_rows(x3)[1:], span, HAS_BIAS=False,
+        lse_parts_kernel[(n_rows, n_parts)](x3, x3, parts, d, *_row_strides(x3), span, HAS_BIAS=False,
                                             SMOOTHING=False, BLOCK_V=block, VEC=vec, num_warps=num_warps)
     elif vec > 1:
         block, span, n_parts, num_warps, parts = block_d, d, 1, warps(block_d, elems_per_warp), None
@@ -403,7 +402,7 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
         )
         return (y,)
     _softmax_span_kernel[(n_rows, n_parts)](
-        x3, x3, y, parts, d, *_rows(x3)[1:], 0, 0, *_rows(y3)[1:], span, BACKWARD=False, OWN_STATS=parts is None,
+        x3, x3, y, parts, d, *_row_strides(x3), 0, 0, *_row_strides(y3), span, BACKWARD=False, OWN_STATS=parts is None,
         BLOCK_D=block, BLOCK_P=next_pow2(n_parts), VEC=vec, num_warps=num_warps)
     return (y,)
 
@@ -420,12 +419,12 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
     dx3 = _as_3d(dx, dim)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
     spans = _spans(y3, chunk, max_block)
-    vec = _one_row_a_program(y3, block_r if spans is None else 1, dy3, dx3)
+    vec = _vector(y3, dy3, dx3) if spans is not None or block_r == 1 else 1
     if spans is not None:
         block, span = spans
         n_parts, num_warps = cdiv(d, span), warps(block, elems_per_warp)
         parts = torch.empty(n_rows, n_parts, dtype=torch.float32, device=x.device)
-        _softmax_dot_parts_kernel[(n_rows, n_parts)](y3, dy3, parts, d, *_rows(y3)[1:], *_rows(dy3)[1:], span,
+        _softmax_dot_parts_kernel[(n_rows, n_parts)](y3, dy3, parts, d, *_row_strides(y3), *_row_strides(dy3), span,
                                                      BLOCK_D=block, VEC=vec, num_warps=num_warps)
     elif vec > 1:
         block, span, n_parts, num_warps, parts = block_d, d, 1, warps(block_d, elems_per_warp), None
@@ -436,6 +435,6 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
         )
         return (dx,)
     _softmax_span_kernel[(n_rows, n_parts)](
-        y3, dy3, dx, parts, d, *_rows(y3)[1:], *_rows(dy3)[1:], *_rows(dx3)[1:], span, BACKWARD=True,
+        y3, dy3, dx, parts, d, *_row_strides(y3), *_row_strides(dy3), *_row_strides(dx3), span, BACKWARD=True,
         OWN_STATS=parts is None, BLOCK_D=block, BLOCK_P=next_pow2(n_parts), VEC=vec, num_warps=num_warps)
     return (dx,)
