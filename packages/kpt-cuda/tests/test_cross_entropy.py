@@ -22,7 +22,9 @@ H100_SMEM = 232448
     ((4, 65536), torch.float32, (2, 14)),
     ((4, 163848), torch.bfloat16, None),  # 21 vectors per thread: more than fit
     ((4, 128256), torch.float32, None),
-    ((4, 128250), torch.bfloat16, None),  # not a whole number of 16-byte vectors
+    ((4, 128250), torch.bfloat16, (2, 14)),  # not a whole number of vectors: 16031 whole ones
+    ((4, 50257), torch.bfloat16, (0, 7)),  # GPT-2
+    ((4, 3), torch.bfloat16, (0, 0)),  # no whole vector: a head only
     ((4, 64), torch.float64, None),
     ((0, 64), torch.bfloat16, None),
 ])
@@ -30,11 +32,16 @@ def test_onchip_split(shape, dtype, split):
     assert native.onchip_split(torch.empty(shape, dtype=dtype), H100_SMEM) == split
 
 
-def test_onchip_split_needs_aligned_contiguous_rows():
+def test_onchip_split_needs_an_aligned_base_and_rows_aligned_like_the_gradients():
+    """The gradient is contiguous: a row of it starts where the logits' row does modulo a vector
+    only when the logits' row stride equals the width modulo a vector."""
     wide = torch.empty(4, 1032, dtype=torch.bfloat16)
     assert native.onchip_split(wide[:, :1024], H100_SMEM) == (0, 1)  # rows 2064 bytes apart: aligned
     assert native.onchip_split(wide[:, 4:1028], H100_SMEM) is None  # starts 8 bytes in
     assert native.onchip_split(torch.empty(4, 1028, dtype=torch.bfloat16)[:, :1024], H100_SMEM) is None
+    assert native.onchip_split(wide[:, :1023], H100_SMEM) is None  # stride 1032, width 1023
+    assert native.onchip_split(torch.empty(4, 1031, dtype=torch.bfloat16)[:, :1023], H100_SMEM) == (0, 1)
+    assert native.onchip_split(torch.empty(1, 1031, dtype=torch.bfloat16)[:, :1023], H100_SMEM) == (0, 1)
     assert native.onchip_split(torch.empty(1024, 4, dtype=torch.bfloat16).t(), H100_SMEM) is None
 
 
@@ -64,12 +71,21 @@ def test_wired_only_where_cupy_runs(monkeypatch):
     (2, 8, torch.bfloat16, 0.0, "mean", 0.0, 3.0),
     (200, 50304, torch.bfloat16, 0.0, "mean", 1.0, 3.0),  # every target ignored
     (40, 128256, torch.bfloat16, 0.0, "mean", 0.1, 30.0),  # logits in the hundreds
+    # widths that are not a whole number of vectors: each row a head, whole vectors and a tail
+    (300, 50257, torch.bfloat16, 0.0, "mean", 0.1, 3.0),
+    (133, 32001, torch.float16, 0.1, "sum", 0.1, 3.0),
+    (9, 65537, torch.float32, 0.0, "none", 0.0, 3.0),
+    (200, 128255, torch.bfloat16, 0.05, "mean", 0.1, 30.0),
+    (5, 3, torch.bfloat16, 0.0, "none", 0.0, 3.0),  # no whole vector at all
+    (6, 13, torch.float16, 0.1, "none", 0.0, 3.0),
 ])
 def test_matches_float64(monkeypatch, n, v, dtype, eps, reduction, ignored, scale):
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
     monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
     z = (torch.randn(n, v + 8, device="cuda") * scale).to(dtype)[:, :v]  # rows apart by more than V
     target = torch.randint(0, v, (n,), device="cuda")
+    edges = torch.tensor([0, v - 1, min(1, v - 1), max(v - 2, 0)], device="cuda")[:n]
+    target[: len(edges)] = edges  # the first and last columns: a row's head and tail where it has them
     target[torch.rand(n, device="cuda") < ignored] = -100
     z_before = z.clone()
     assert native.onchip_split(z, torch.cuda.get_device_properties().shared_memory_per_block_optin)
@@ -101,14 +117,15 @@ def test_out_of_range_target_gives_nan(monkeypatch):
 @pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA GPU: the CUDA C kernel runs nowhere else")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_special_values_as_the_reference(monkeypatch, dtype, eps):
+@pytest.mark.parametrize("v", [32000, 32003])
+def test_special_values_as_the_reference(monkeypatch, dtype, eps, v):
     """NaN, ±inf and ±max logits: the same NaN and inf positions as the float64 reference in the
     loss of every row and its gradient, finite values close (an H100 gave a +inf logit's row a NaN
     loss and NaN gradient everywhere, and a ±max logit's row inf gradients, before the kernel took
     its exponents of differences and kept a row's +inf or NaN maximum as its lse)."""
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
     monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
-    n, v = 11, 32000
+    n = 11
     z = torch.randn(n, v, device="cuda").to(dtype)
     target = torch.randint(0, v, (n,), device="cuda")
     big = torch.finfo(dtype).max

@@ -5,7 +5,9 @@
 // multiprocessor, THREADS threads) owns one row at a time: thread `tid` holds the 16-byte
 // vectors `k * THREADS + tid` of the row, the first REG_VECS of them in registers and the next
 // SMEM_VECS in its own slots of shared memory (so no thread ever reads another's slots, and the
-// row data needs no barrier). The row is read from memory once:
+// row data needs no barrier). A row whose width or stride is not a whole number of vectors
+// (GPT-2's 50257) starts and ends with fewer than a vector's elements: its head and tail, one
+// element each for the first threads of the block (`Span`). The row is read from memory once:
 //
 //   pass A (as the row arrives): m = max z, s = sum exp(z - m), lse = m + log s  (online per
 //                     thread, as each of its vectors lands; then two block reductions)
@@ -52,6 +54,11 @@ template <> struct Elem<0> : Elem16<Elem<0>> {
     __device__ static float scalar(const void* p, long long i) {
         return __uint_as_float(u32(static_cast<const unsigned short*>(p)[i]) << 16);
     }
+    __device__ static void store(void* p, long long i, float f) {
+        unsigned short h;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+        static_cast<unsigned short*>(p)[i] = h;
+    }
 };
 
 template <> struct Elem<1> : Elem16<Elem<1>> {
@@ -70,6 +77,11 @@ template <> struct Elem<1> : Elem16<Elem<1>> {
             : "=f"(f) : "h"(static_cast<const unsigned short*>(p)[i]));
         return f;
     }
+    __device__ static void store(void* p, long long i, float f) {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+        static_cast<unsigned short*>(p)[i] = h;
+    }
 };
 
 template <> struct Elem<2> {
@@ -85,6 +97,7 @@ template <> struct Elem<2> {
                           __float_as_uint(f[3]));
     }
     __device__ static float scalar(const void* p, long long i) { return static_cast<const float*>(p)[i]; }
+    __device__ static void store(void* p, long long i, float f) { static_cast<float*>(p)[i] = f; }
 };
 
 __device__ __forceinline__ float ex2(float x) {
@@ -145,11 +158,68 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch) {
     return x;
 }
 
-template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING>
+
+// Where one row's 16-byte vectors lie. A row that starts `offset` elements past a 16-byte aligned
+// base has `head` elements before its first vector boundary, then `nvec` whole vectors, then a
+// tail; the head and the tail together (`edges`, fewer than 2 * EL) are read and written one
+// element each, by threads 0 .. edges - 1. Without EDGES (a width and row stride that are multiples
+// of EL) every row is whole vectors, and the compiler drops the edges' code.
+template <int EL, bool EDGES>
+struct Span {
+    long long offset;
+    int head;
+    int nvec;
+    int edges;
+
+    __device__ static Span at(long long offset, int v) {
+        if (!EDGES) return {offset, 0, v / EL, 0};
+        const int head = min(static_cast<int>((EL - offset % EL) % EL), v);
+        const int nvec = (v - head) / EL;
+        return {offset, head, nvec, v - nvec * EL};
+    }
+    // the column of thread `tid`'s edge element (tid < edges): the head's, then the tail's
+    __device__ int edge_column(int tid) const { return tid < head ? tid : tid + nvec * EL; }
+    // the row's first whole vector, in a tensor of 16/EL-byte elements based at `base`
+    __device__ const uint4* vectors(const void* base) const {
+        return reinterpret_cast<const uint4*>(static_cast<const char*>(base) + (offset + head) * (16 / EL));
+    }
+    __device__ uint4* vectors(void* base) const {
+        return reinterpret_cast<uint4*>(static_cast<char*>(base) + (offset + head) * (16 / EL));
+    }
+};
+
+// Adds N logits to a thread's running maximum m, its sum s of exp(z - m) (rescaled whenever m
+// grows) and, for label smoothing, its sum of z. Exponents are taken of differences,
+// (z - m) * log2(e), never of z * log2(e): that overflows for |z| > 2.4e38.
+template <bool SMOOTHING, int N>
+__device__ __forceinline__ void fold(const float (&f)[N], float& m, float& s, float& zsum) {
+    float m_new = m;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        m_new = nan_max(m_new, f[i]);
+        if (SMOOTHING) zsum += f[i];
+    }
+    // a maximum of -inf adds nothing; one of +inf or NaN decides the lse alone
+    if (finite(m_new)) {
+        s *= ex2((m - m_new) * LOG2E);  // 0 while m is -inf
+#pragma unroll
+        for (int i = 0; i < N; ++i) s += ex2((f[i] - m_new) * LOG2E);
+    }
+    m = m_new;
+}
+
+// One logit's gradient: g * (softmax - (1 - eps) * onehot - eps / V); 0 in an ignored row, whose
+// inf or NaN logits reach nothing (not 0 * NaN).
+__device__ __forceinline__ float grad_of(float z, bool is_target, bool kept, float lse, float g, float off, float hit) {
+    const float d = ex2((z - lse) * LOG2E) - off;
+    return kept ? g * (is_target ? d - hit : d) : 0.f;
+}
+
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING, bool EDGES>
 __global__ void __launch_bounds__(THREADS, 1)
-cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ target,
-                     const float* __restrict__ grad, float* __restrict__ loss, uint4* __restrict__ dz,
-                     long long n, long long stride_zn_vecs, long long ignore_index, int v, float smoothing) {
+cross_entropy_onchip(const void* __restrict__ z, const long long* __restrict__ target,
+                     const float* __restrict__ grad, float* __restrict__ loss, void* __restrict__ dz,
+                     long long n, long long stride_zn, long long ignore_index, int v, float smoothing) {
     using E = Elem<KIND>;
     constexpr int EL = E::EL;
     constexpr int VECS = REG_VECS + SMEM_VECS;
@@ -157,53 +227,46 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
     __shared__ float scratch[3][THREADS / 32];
 
     const int tid = threadIdx.x;
-    const int nvec = v / EL;
     uint4 reg[REG_VECS > 0 ? REG_VECS : 1];
+    float edge = 0.f;  // this thread's element of the row's head or tail, where it has one
 
     long long row = blockIdx.x;
     if (row >= n) return;
+    Span<EL, EDGES> span = Span<EL, EDGES>::at(row * stride_zn, v);
 
     // the first row's loads
+    const uint4* first = span.vectors(z);
 #pragma unroll
     for (int k = 0; k < VECS; ++k) {
         const int j = k * THREADS + tid;
-        if (j < nvec) {
-            if (k < REG_VECS) reg[k] = z[row * stride_zn_vecs + j];
-            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], z + row * stride_zn_vecs + j);
+        if (j < span.nvec) {
+            if (k < REG_VECS) reg[k] = first[j];
+            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], first + j);
         }
         if (k >= REG_VECS) cp_async_commit();  // one group per shared-memory vector, even if empty
     }
+    if (tid < span.edges) edge = E::scalar(z, span.offset + span.edge_column(tid));
 
     for (; row < n; row += gridDim.x) {
         const long long t = target[row];
         const bool kept = t != ignore_index;
 
-        // pass A, vector by vector as they arrive: a running maximum m and a sum s of exp(z - m)
-        // rescaled whenever m grows (and the sum of z for label smoothing). Exponents are taken of
-        // differences, (z - m) * log2(e), never of z * log2(e): that overflows for |z| > 2.4e38.
+        // pass A, vector by vector as they arrive, then the edge element
         float m = NEG_INF;
         float s = 0.f;
         float zsum = 0.f;
 #pragma unroll
         for (int k = 0; k < VECS; ++k) {
             if (k >= REG_VECS) cp_async_wait_group(VECS - 1 - k);
-            if (k * THREADS + tid < nvec) {
+            if (k * THREADS + tid < span.nvec) {
                 float f[EL];
                 E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], f);
-                float m_new = m;
-#pragma unroll
-                for (int i = 0; i < EL; ++i) {
-                    m_new = nan_max(m_new, f[i]);
-                    if (SMOOTHING) zsum += f[i];
-                }
-                // a maximum of -inf adds nothing; one of +inf or NaN decides the lse alone
-                if (finite(m_new)) {
-                    s *= ex2((m - m_new) * LOG2E);  // 0 while m is -inf
-#pragma unroll
-                    for (int i = 0; i < EL; ++i) s += ex2((f[i] - m_new) * LOG2E);
-                }
-                m = m_new;
+                fold<SMOOTHING>(f, m, s, zsum);
             }
+        }
+        if (tid < span.edges) {
+            const float f[1] = {edge};
+            fold<SMOOTHING>(f, m, s, zsum);
         }
         const float m_row = block_reduce<THREADS, 0>(m, scratch[0]);
         s = block_reduce<THREADS, 1>(finite(m) ? s * ex2((m - m_row) * LOG2E) : 0.f, scratch[1]);
@@ -213,39 +276,45 @@ cross_entropy_onchip(const uint4* __restrict__ z, const long long* __restrict__ 
 
         if (tid == 0) {
             const bool in_range = t >= 0 && t < v;
-            const float z_t = kept && in_range
-                                  ? E::scalar(z + row * stride_zn_vecs, t)
-                                  : __int_as_float(0x7fc00000);  // NaN
+            const float z_t = kept && in_range ? E::scalar(z, span.offset + t) : __int_as_float(0x7fc00000);  // NaN
             float l = (1.f - smoothing) * (lse - z_t);
             if (SMOOTHING) l += smoothing * (lse - zsum / v);
             loss[row] = kept ? l : 0.f;
         }
 
-        // pass B: the gradient, each slot then loading the next row
+        // pass B: the gradient, each slot then loading the next row. dz is contiguous and its rows
+        // start where z's do modulo a vector (the caller checks stride_zn ≡ v mod EL), so its rows
+        // have z's head, vectors and tail.
         const float g = *grad;
         const float off = smoothing / v;
         const float hit = 1.f - smoothing;
         const long long next = row + gridDim.x;
-        uint4* dz_row = dz + row * nvec;
+        const Span<EL, EDGES> after = Span<EL, EDGES>::at(next * stride_zn, v);
+        const uint4* next_vectors = after.vectors(z);
+        const long long dz_offset = row * v;
+        uint4* dz_vectors = Span<EL, EDGES>::at(dz_offset, v).vectors(dz);
 #pragma unroll
         for (int k = 0; k < VECS; ++k) {
             const int j = k * THREADS + tid;
-            if (j < nvec) {
+            if (j < span.nvec) {
                 float f[EL];
                 E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], f);
+                const long long col = span.head + static_cast<long long>(j) * EL;
 #pragma unroll
-                for (int i = 0; i < EL; ++i) {
-                    const float d = ex2((f[i] - lse) * LOG2E) - off;
-                    // an ignored row's inf or NaN logits reach nothing (not 0 * NaN)
-                    f[i] = kept ? g * (j * EL + i == t ? d - hit : d) : 0.f;
-                }
-                store_streaming(dz_row + j, E::pack(f));
-                if (next < n) {
-                    if (k < REG_VECS) reg[k] = z[next * stride_zn_vecs + j];
-                    else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], z + next * stride_zn_vecs + j);
-                }
+                for (int i = 0; i < EL; ++i) f[i] = grad_of(f[i], col + i == t, kept, lse, g, off, hit);
+                store_streaming(dz_vectors + j, E::pack(f));
+            }
+            if (next < n && j < after.nvec) {
+                if (k < REG_VECS) reg[k] = next_vectors[j];
+                else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], next_vectors + j);
             }
             if (k >= REG_VECS) cp_async_commit();
         }
+        if (tid < span.edges) {
+            const int c = span.edge_column(tid);
+            E::store(dz, dz_offset + c, grad_of(edge, c == t, kept, lse, g, off, hit));
+        }
+        if (next < n && tid < after.edges) edge = E::scalar(z, after.offset + after.edge_column(tid));
+        span = after;
     }
 }
