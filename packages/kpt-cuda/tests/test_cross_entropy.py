@@ -1,4 +1,5 @@
-"""The vendor-native cross-entropy: where it runs (any machine) and what it computes (GPU with CuPy)."""
+"""The vendor-native cross-entropy (`kpt_cuda.onchip` with a target): where it runs (any machine) and what it
+computes (GPU with CuPy)."""
 
 from __future__ import annotations
 
@@ -7,42 +8,8 @@ import torch
 
 import kpt
 from kpt.testing import poisoned
-from kpt_cuda import backend
+from kpt_cuda import backend, onchip
 from kpt_cuda import cross_entropy as native
-
-H100_SMEM = 232448
-"""Shared memory one block may use on an H100 (and the H200)."""
-
-
-@pytest.mark.parametrize("shape, dtype, split", [
-    ((8192, 128256), torch.bfloat16, (2, 14)),  # docs/performance.md: 16032 vectors, 16 per thread
-    ((4, 151936), torch.float16, (5, 14)),
-    ((4, 32000), torch.bfloat16, (0, 4)),
-    ((4, 8), torch.bfloat16, (0, 1)),
-    ((4, 65536), torch.float32, (2, 14)),
-    ((4, 163848), torch.bfloat16, None),  # 21 vectors per thread: more than fit
-    ((4, 128256), torch.float32, None),
-    ((4, 128250), torch.bfloat16, (2, 14)),  # not a whole number of vectors: 16031 whole ones
-    ((4, 50257), torch.bfloat16, (0, 7)),  # GPT-2
-    ((4, 3), torch.bfloat16, (0, 0)),  # no whole vector: a head only
-    ((4, 64), torch.float64, None),
-    ((0, 64), torch.bfloat16, None),
-])
-def test_onchip_split(shape, dtype, split):
-    assert native.onchip_split(torch.empty(shape, dtype=dtype), H100_SMEM) == split
-
-
-def test_onchip_split_needs_an_aligned_base_and_rows_aligned_like_the_gradients():
-    """The gradient is contiguous: a row of it starts where the logits' row does modulo a vector
-    only when the logits' row stride equals the width modulo a vector."""
-    wide = torch.empty(4, 1032, dtype=torch.bfloat16)
-    assert native.onchip_split(wide[:, :1024], H100_SMEM) == (0, 1)  # rows 2064 bytes apart: aligned
-    assert native.onchip_split(wide[:, 4:1028], H100_SMEM) is None  # starts 8 bytes in
-    assert native.onchip_split(torch.empty(4, 1028, dtype=torch.bfloat16)[:, :1024], H100_SMEM) is None
-    assert native.onchip_split(wide[:, :1023], H100_SMEM) is None  # stride 1032, width 1023
-    assert native.onchip_split(torch.empty(4, 1031, dtype=torch.bfloat16)[:, :1023], H100_SMEM) == (0, 1)
-    assert native.onchip_split(torch.empty(1, 1031, dtype=torch.bfloat16)[:, :1023], H100_SMEM) == (0, 1)
-    assert native.onchip_split(torch.empty(1024, 4, dtype=torch.bfloat16).t(), H100_SMEM) is None
 
 
 def test_wired_only_where_cupy_runs(monkeypatch):
@@ -88,7 +55,7 @@ def test_matches_float64(monkeypatch, n, v, dtype, eps, reduction, ignored, scal
     target[: len(edges)] = edges  # the first and last columns: a row's head and tail where it has them
     target[torch.rand(n, device="cuda") < ignored] = -100
     z_before = z.clone()
-    assert native.onchip_split(z, torch.cuda.get_device_properties().shared_memory_per_block_optin)
+    assert onchip.onchip_split(z, torch.cuda.get_device_properties().shared_memory_per_block_optin)
     with poisoned():  # outputs start as NaN: an element never written fails below
         loss, dz = native.cross_entropy_fwd(z, target, -100, eps, reduction, True)
     # the contract's float64 reference: the loss and the gradient for an upstream gradient of 1

@@ -14,12 +14,12 @@ import torch
 
 from kpt_triton.backend import TritonBackend
 
-from . import attention, cross_entropy, device, linear, moe, tuning
+from . import attention, cross_entropy, device, linear, moe, softmax, tuning
 
-NATIVE_MODULES = (attention, cross_entropy, linear, moe)
+NATIVE_MODULES = (attention, cross_entropy, linear, moe, softmax)
 """Vendor-native bodies that replace the portable ones of the same kernel on a GPU where their
-`available` says they run (cross-entropy: CuPy; attention and grouped_linear: Hopper); elsewhere the
-Triton bodies run."""
+`available` says they run (cross-entropy and the softmax forward: CuPy; attention and
+grouped_linear: Hopper); elsewhere the Triton bodies run."""
 
 
 class CudaBackend(TritonBackend):

@@ -1,4 +1,5 @@
-// Cross-entropy forward with its gradient, one row of logits held on chip between its two uses.
+// One row per block, held on chip between its two uses: softmax, and the cross-entropy loss with its
+// gradient (the softmax minus the target's one-hot).
 //
 // A row of 128K bf16 logits (256 KB) is too big for one multiprocessor's shared memory
 // (227 KB) but not for its shared memory and registers together. Each block (one per
@@ -11,16 +12,17 @@
 //
 //   pass A (as the row arrives): m = max z, s = sum exp(z - m), lse = m + log s  (online per
 //                     thread, as each of its vectors lands; then two block reductions)
-//   pass B (on chip): dz = g * (exp(z - lse) - (1 - eps) * onehot(t) - eps / V), stored;
-//                     as each vector is done, the same slot starts loading the next row
+//   pass B (on chip): softmax: y = exp(z - lse);
+//                     LOSS: dz = g * (exp(z - lse) - (1 - eps) * onehot(t) - eps / V);
+//                     stored; as each vector is done, the same slot starts loading the next row
 //                     (cp.async for shared memory), so the next row's reads overlap this row's
 //                     writes.
 //
-// loss = (1 - eps) * (lse - z_t) + eps * (lse - mean z), 0 for ignored rows; g is the gradient
-// reaching each row's loss (*grad, the same for every row); an ignored row's dz is 0. A target outside
-// [0, V) that is not ignored gives a NaN loss. A slot's next load is issued after the thread has
-// read the slot into registers, so the asynchronous copy never overwrites a value still to be
-// read. Compiled by NVRTC (no headers needed).
+// With LOSS: loss = (1 - eps) * (lse - z_t) + eps * (lse - mean z), 0 for ignored rows; g is the
+// gradient reaching each row's loss (*grad, the same for every row); an ignored row's dz is 0. A
+// target outside [0, V) that is not ignored gives a NaN loss. A slot's next load is issued after
+// the thread has read the slot into registers, so the asynchronous copy never overwrites a value
+// still to be read. Compiled by NVRTC (no headers needed).
 
 typedef unsigned int u32;
 
@@ -215,11 +217,13 @@ __device__ __forceinline__ float grad_of(float z, bool is_target, bool kept, flo
     return kept ? g * (is_target ? d - hit : d) : 0.f;
 }
 
-template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING, bool EDGES>
+// z: [n, v] logits, rows stride_zn elements apart; dz: [n, v] contiguous, the softmax or (LOSS) the
+// gradient; target, grad and loss are read and written only with LOSS.
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING, bool EDGES, bool LOSS>
 __global__ void __launch_bounds__(THREADS, 1)
-cross_entropy_onchip(const void* __restrict__ z, const long long* __restrict__ target,
-                     const float* __restrict__ grad, float* __restrict__ loss, void* __restrict__ dz,
-                     long long n, long long stride_zn, long long ignore_index, int v, float smoothing) {
+row_onchip(const void* __restrict__ z, const long long* __restrict__ target, const float* __restrict__ grad,
+           float* __restrict__ loss, void* __restrict__ dz, long long n, long long stride_zn,
+           long long ignore_index, int v, float smoothing) {
     using E = Elem<KIND>;
     constexpr int EL = E::EL;
     constexpr int VECS = REG_VECS + SMEM_VECS;
@@ -248,8 +252,8 @@ cross_entropy_onchip(const void* __restrict__ z, const long long* __restrict__ t
     if (tid < span.edges) edge = E::scalar(z, span.offset + span.edge_column(tid));
 
     for (; row < n; row += gridDim.x) {
-        const long long t = target[row];
-        const bool kept = t != ignore_index;
+        const long long t = LOSS ? target[row] : -1;  // softmax: no column is a target
+        const bool kept = !LOSS || t != ignore_index;
 
         // pass A, vector by vector as they arrive, then the edge element
         float m = NEG_INF;
@@ -272,9 +276,11 @@ cross_entropy_onchip(const void* __restrict__ z, const long long* __restrict__ t
         s = block_reduce<THREADS, 1>(finite(m) ? s * ex2((m - m_row) * LOG2E) : 0.f, scratch[1]);
         if (SMOOTHING) zsum = block_reduce<THREADS, 1>(zsum, scratch[2]);
         m = m_row;
-        const float lse = finite(m) ? m + __logf(s) : m;  // -inf, +inf or NaN: the row's lse
+        // a maximum of -inf, +inf or NaN: the row's lse for the loss; the softmax exp(z - max) / sum
+        // is NaN throughout such a row (inf - inf, or a NaN sum), as the contract's
+        const float lse = finite(m) ? m + __logf(s) : LOSS ? m : __int_as_float(0x7fc00000);
 
-        if (tid == 0) {
+        if (LOSS && tid == 0) {
             const bool in_range = t >= 0 && t < v;
             const float z_t = kept && in_range ? E::scalar(z, span.offset + t) : __int_as_float(0x7fc00000);  // NaN
             float l = (1.f - smoothing) * (lse - z_t);
@@ -285,7 +291,7 @@ cross_entropy_onchip(const void* __restrict__ z, const long long* __restrict__ t
         // pass B: the gradient, each slot then loading the next row. dz is contiguous and its rows
         // start where z's do modulo a vector (the caller checks stride_zn ≡ v mod EL), so its rows
         // have z's head, vectors and tail.
-        const float g = *grad;
+        const float g = LOSS ? *grad : 1.f;
         const float off = smoothing / v;
         const float hit = 1.f - smoothing;
         const long long next = row + gridDim.x;

@@ -1,0 +1,119 @@
+"""Rows held on chip: the CUDA C kernel (``onchip.cu``) that reads each row once, for softmax and cross-entropy.
+
+The portable kernels (``kpt_triton.softmax``, ``kpt_triton.cross_entropy``) read a row longer than
+they can keep in registers twice, once for its log-sum-exp and once for the output, and rely on
+the L2 cache for the second read; at 50K–150K-wide rows that cache holds too few of them. The
+kernel in ``onchip.cu`` keeps the whole row in one multiprocessor's shared memory and registers
+instead, so it moves the minimum: the row read once, the output written once. It writes the
+softmax of each row, or with a target the cross-entropy loss and its gradient.
+
+It runs where CuPy is installed and a CUDA GPU is present (`available`), on rows of 16- or 32-bit
+floats that `onchip_split` accepts: contiguous columns, a 16-byte aligned base, a row stride equal
+to the width modulo a 16-byte vector (the output is contiguous, and its rows must start where the
+input's do modulo a vector), and small enough to fit on chip. Rows whose width is not a whole
+number of vectors (GPT-2's 50257) are read as a head, whole vectors and a tail. Which calls go
+here is each kernel's choice (`kpt_cuda.softmax`, `kpt_cuda.cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from importlib import resources
+from typing import Any
+
+import torch
+
+from kpt_triton.tiling import persistent_programs
+
+from . import device
+
+THREADS = 1024
+"""Threads per block: one block, holding one row, per multiprocessor."""
+
+MAX_REG_VECS = 6
+"""16-byte vectors of the row a thread may hold in registers, beyond its shared-memory slots."""
+
+_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_SCRATCH_BYTES = 3 * (THREADS // 32) * 4
+"""The kernel's static shared memory (its block reductions)."""
+
+
+def available() -> bool:
+    """CuPy imports and sees a CUDA GPU."""
+    return device.cupy_version() is not None
+
+
+def onchip_split(rows: torch.Tensor, smem_bytes: int) -> tuple[int, int] | None:
+    """``(register vectors, shared-memory vectors)`` per thread when a row of the 2-D ``rows`` fits
+    on chip with ``smem_bytes`` of shared memory per block and the kernel can read it; else None."""
+    if rows.dtype not in _KIND or rows.dim() != 2 or 0 in rows.shape:
+        return None
+    per_vec = 16 // rows.element_size()
+    n, v = rows.shape
+    # the output is contiguous: its rows must start where the input's rows do, modulo a vector
+    if rows.stride(1) != 1 or (n > 1 and (rows.stride(0) - v) % per_vec) or rows.data_ptr() % 16:
+        return None
+    vecs = -(-(v // per_vec) // THREADS)  # whole vectors of a row, at most v // per_vec
+    smem_vecs = min(vecs, (smem_bytes - _SCRATCH_BYTES) // (16 * THREADS))
+    reg_vecs = vecs - smem_vecs
+    return (reg_vecs, smem_vecs) if reg_vecs <= MAX_REG_VECS else None
+
+
+def split_for(rows: torch.Tensor, min_width: int, min_rows_per_sm: int) -> tuple[int, int] | None:
+    """`onchip_split` of ``rows`` on its device, for a call with at least ``min_width`` columns and
+    ``min_rows_per_sm`` rows per multiprocessor (one block a row: fewer rows leave most of the GPU
+    idle, where the portable kernels cut each row across multiprocessors); else None."""
+    if not rows.is_cuda or rows.dim() != 2 or rows.shape[1] < min_width:
+        return None
+    props = torch.cuda.get_device_properties(rows.device)
+    if rows.shape[0] < min_rows_per_sm * props.multi_processor_count:
+        return None
+    return onchip_split(rows, props.shared_memory_per_block_optin)
+
+
+@functools.cache
+def _kernel(kind: int, reg_vecs: int, smem_vecs: int, smoothing: bool, edges: bool, loss: bool,
+            device_index: int) -> Any:
+    import cupy
+
+    flags = ", ".join(str(f).lower() for f in (smoothing, edges, loss))
+    name = f"row_onchip<{kind}, {THREADS}, {reg_vecs}, {smem_vecs}, {flags}>"
+    source = resources.files(__package__).joinpath("onchip.cu").read_text()
+    with cupy.cuda.Device(device_index):
+        kernel = cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=(name,)).get_function(name)
+        kernel.max_dynamic_shared_size_bytes = smem_vecs * THREADS * 16
+    return kernel
+
+
+def launch(rows: torch.Tensor, out: torch.Tensor, split: tuple[int, int], *, target: torch.Tensor | None = None,
+           grad: torch.Tensor | None = None, losses: torch.Tensor | None = None, ignore_index: int = -100,
+           label_smoothing: float = 0.0) -> None:
+    """Write the softmax of each row of ``rows`` (2-D, accepted by `onchip_split` with ``split``)
+    into the contiguous ``out`` of its shape; given a ``target`` (int64, one per row), ``grad``
+    (one float32: the gradient reaching each row's loss) and ``losses`` (float32, one per row),
+    write each row's cross-entropy loss there and its gradient into ``out`` instead."""
+    # CuPy and the numpy it depends on are optional: imported only where the kernel runs
+    import cupy
+    import numpy as np
+
+    reg_vecs, smem_vecs = split
+    n, v = rows.shape
+    index = rows.device.index  # a CUDA tensor's device always names its index
+    per_vec = 16 // rows.element_size()
+    # rows of whole vectors compile without the head-and-tail code (5-10% faster at 32K columns)
+    edges = bool(v % per_vec or (n > 1 and rows.stride(0) % per_vec))
+    loss = target is not None
+    kernel = _kernel(_KIND[rows.dtype], reg_vecs, smem_vecs, label_smoothing > 0, edges, loss, index)
+    address = [np.uint64(t.data_ptr() if t is not None else 0) for t in (target, grad, losses)]
+    with warnings.catch_warnings():
+        # CuPy 14 deprecates ExternalStream for Stream.from_external, which CuPy 13 lacks
+        warnings.simplefilter("ignore", DeprecationWarning)
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(rows.device).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
+        kernel(
+            (persistent_programs(n, rows.device, 1),), (THREADS,),
+            (np.uint64(rows.data_ptr()), *address, np.uint64(out.data_ptr()), np.int64(n),
+             np.int64(rows.stride(0)), np.int64(ignore_index), np.int32(v), np.float32(label_smoothing)),
+            shared_mem=smem_vecs * THREADS * 16,
+        )
