@@ -30,7 +30,7 @@ typedef unsigned int u32;
 template <int KIND> struct Elem;
 
 // The 16-bit kinds: 8 per vector, two per 32-bit word. Each kind K derives from Elem16<K> and
-// gives its word conversions (unpack2, pack2) and its one-element load (scalar).
+// gives its word conversions (unpack2, pack2) and its one-element load and store (scalar, store).
 template <class K> struct Elem16 {
     static constexpr int EL = 8;
     __device__ static void unpack(uint4 v, float (&f)[8]) {
