@@ -50,7 +50,7 @@ def main() -> int:
     specs = [kpt.SPECS[name] for name in opts.kernels.split(",")]
     for spec in specs:
         for case in spec.cases():
-            if case.perf:
+            if case.device_only:
                 continue
             for dtype in (getattr(torch, d) for d in opts.dtypes.split(",")):
                 if case.dtypes and dtype not in case.dtypes:

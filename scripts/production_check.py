@@ -29,7 +29,7 @@ from kpt.testing import to_device
 
 def _cases(spec: kpt.KernelSpec, g: torch.Generator, device: torch.device):
     for case in spec.cases():
-        if case.perf:
+        if case.device_only:
             continue
         for dtype in (torch.float32, torch.bfloat16):
             if case.dtypes and dtype not in case.dtypes:

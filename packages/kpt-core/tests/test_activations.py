@@ -22,7 +22,7 @@ TORCH: dict[str, Callable[..., torch.Tensor]] = {
     "geglu": lambda gate, up, approximate: F.gelu(gate, approximate=approximate) * up,
 }
 PARAMS = [pytest.param(name, case, id=f"{name}-{case.name}")
-          for name in TORCH for case in kpt.SPECS[name].cases() if not case.perf]
+          for name in TORCH for case in kpt.SPECS[name].cases() if not case.device_only]
 
 
 def _generator() -> torch.Generator:

@@ -46,15 +46,17 @@ MakeInputs = Callable[[torch.Generator, torch.dtype], Args]
 class Case:
     """One conformance case: ``make(generator, dtype)`` draws fresh random CPU inputs.
 
-    ``perf`` marks the large shapes of docs/performance.md used by performance tests (never run for numerics
-    on a simulator). ``dtypes`` restricts the case to some activation dtypes. ``grad`` runs the
-    backward check too (only for differentiable kernels).
+    ``perf`` marks the large shapes of docs/performance.md used by performance tests; ``large``
+    another shape of a real workload too large for the CPU profiles (interpreters, simulators).
+    Both are `device_only`. ``dtypes`` restricts the case to some activation dtypes. ``grad`` runs
+    the backward check too (only for differentiable kernels).
     """
 
     name: str
     make: MakeInputs
     grad: bool = True
     perf: bool = False
+    large: bool = False
     dtypes: tuple[torch.dtype, ...] | None = None
     tolerance_scale: float = 1.0
     """Widens every tolerance for an ill-conditioned case, where the float32 reference itself
@@ -66,6 +68,12 @@ class Case:
     description: str = ""
     """What the case probes, for a reader of a failure ("inputs scaled by 1e-4"); the name alone
     when empty."""
+
+    @property
+    def device_only(self) -> bool:
+        """A perf or large case: its numerics run only on a real device, in bfloat16, never where
+        the backend computes on CPU tensors; only perf cases are timed."""
+        return self.perf or self.large
 
 
 @dataclass(frozen=True)

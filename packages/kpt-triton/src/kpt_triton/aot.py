@@ -126,16 +126,17 @@ def _inputs(mode: FakeTensorMode, case: kpt.Case, dtype: torch.dtype) -> dict[st
 
 def record_launches(backend: TritonBackend, target: Target, perf_only: bool = False) -> list[Launch]:
     """Every launch of every kernel, forward and backward, over the conformance cases (all
-    dtypes; not with ``perf_only``) and the docs/performance.md shapes (bfloat16), with ``backend``'s tuning."""
+    dtypes; not with ``perf_only``) and the device-only ones: the docs/performance.md shapes and the
+    other large cases (bfloat16), with ``backend``'s tuning."""
     kernels = backend.kernels()
     functions = kpt.ops.eager_functions(kernels)
     mode = FakeTensorMode()
     with _recording(target.units) as launches:
         for spec in kpt.SPECS.values():
             for case in spec.cases():
-                if perf_only and not case.perf:
+                if perf_only and not case.device_only:
                     continue
-                for dtype in (torch.bfloat16,) if case.perf else case.dtypes or kpt.FLOAT_DTYPES:
+                for dtype in (torch.bfloat16,) if case.device_only else case.dtypes or kpt.FLOAT_DTYPES:
                     args = _inputs(mode, case, dtype)
                     with mode, contextlib.suppress(DataDependentOutputException):
                         # a body that reads device values on the host (`kpt_triton.products`'

@@ -1,7 +1,8 @@
 """Forward and backward numerics of every kernel x case x dtype against the float64 oracle.
 
 Inputs are drawn fresh every run (the seed is printed and saved in the report; ``--seed`` replays a
-run). Perf-size cases run only on a real device (never on the CPU), in bfloat16.
+run). Perf-size and other large cases (`kpt.Case.device_only`) run only on a real device (never on
+the CPU), in bfloat16.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ def _params(config: pytest.Config, backward: bool) -> list:
         if backward and not spec.differentiable:
             continue
         for case in spec.cases():
-            if (case.perf and on_cpu) or (backward and not case.grad):
+            if (case.device_only and on_cpu) or (backward and not case.grad):
                 continue
             for dtype in config.kpt_dtypes:
-                if case.perf and dtype != torch.bfloat16:
+                if case.device_only and dtype != torch.bfloat16:
                     continue  # real-size numerics in the training dtype keep a device run short
                 if case.dtypes is None or dtype in case.dtypes:
                     name = str(dtype).removeprefix("torch.")

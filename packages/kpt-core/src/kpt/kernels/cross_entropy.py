@@ -351,6 +351,10 @@ def _cross_entropy_cases() -> list[Case]:
         # across programs): whole leading chunks add nothing to the log-sum-exp (not exp(−inf + inf))
         case("masked_head", shape=(3, 40000), masked=33000),
         case("masked_head_one_row", shape=(1, 40000), masked=33000, ignored=0.0),
+        # an LM head's logits: more rows than GPUs have multiprocessors, each GPT-2's 50257 wide
+        # (not a whole number of 16-byte vectors): where a kernel holds long rows on chip, it holds
+        # these, heads and tails included. 16M logits: real devices only
+        Case("gpt2_vocabulary", lambda g, dtype: _make_ce(g, dtype, shape=(320, 50257)), large=True),
     ]
 
 

@@ -90,6 +90,9 @@ def _cases() -> list[Case]:
         # nine rows start at every offset within a 16-byte vector, so a kernel that reads them in
         # aligned vectors handles each row's own head and tail
         case("odd_width", shape=(9, 4099)),
+        # a softmax over a vocabulary: more rows than GPUs have multiprocessors, each 50257 wide,
+        # where a kernel holds long rows on chip (kpt-cuda's). 16M elements: real devices only
+        Case("vocabulary", lambda g, dtype: _make(g, dtype, shape=(320, 50257)), large=True),
         case("dim0", shape=(257, 33), dim=0),
         case("middle_dim", shape=(4, 129, 16), dim=1),
         case("negative_dim", shape=(3, 100, 5), dim=-2),
