@@ -56,7 +56,6 @@ class Case:
     make: MakeInputs
     grad: bool = True
     perf: bool = False
-    large: bool = False
     dtypes: tuple[torch.dtype, ...] | None = None
     tolerance_scale: float = 1.0
     """Widens every tolerance for an ill-conditioned case, where the float32 reference itself
@@ -68,6 +67,9 @@ class Case:
     description: str = ""
     """What the case probes, for a reader of a failure ("inputs scaled by 1e-4"); the name alone
     when empty."""
+    large: bool = False
+    """A shape of a real workload too large for the CPU profiles; last, so that positional
+    arguments keep their places."""
 
     @property
     def device_only(self) -> bool:
