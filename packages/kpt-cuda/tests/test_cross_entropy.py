@@ -1,5 +1,5 @@
-"""The vendor-native cross-entropy (`kpt_cuda.onchip` with a target): where it runs (any machine) and what it
-computes (GPU with CuPy)."""
+"""The vendor-native cross-entropy (`kpt_cuda.onchip` with a target): what it computes (GPU with CuPy;
+where it is wired: `test_onchip`)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,8 @@ import torch
 
 import kpt
 from kpt.testing import poisoned
-from kpt_cuda import backend, onchip
 from kpt_cuda import cross_entropy as native
-
-
-def test_wired_only_where_cupy_runs(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(native, "available", lambda: False)
-    kernels = backend.CudaBackend().kernels()
-    assert kernels["cross_entropy"].forward.body.__module__ == "kpt_triton.cross_entropy"
-    monkeypatch.setattr(native, "available", lambda: True)
-    kernels = backend.CudaBackend().kernels()
-    assert kernels["cross_entropy"].forward.body is native.cross_entropy_fwd
-    assert kernels["cross_entropy"].backward.body is native.cross_entropy_bwd
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels = backend.CudaBackend().kernels()
-    assert kernels["cross_entropy"].forward.body.__module__ == "kpt_triton.cross_entropy"
+from kpt_cuda import onchip
 
 
 @pytest.mark.gpu
@@ -48,7 +34,7 @@ def test_wired_only_where_cupy_runs(monkeypatch):
 ])
 def test_matches_float64(monkeypatch, n, v, dtype, eps, reduction, ignored, scale):
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
-    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
+    monkeypatch.setattr(onchip, "MIN_ROWS_PER_SM", 0)
     z = (torch.randn(n, v + 8, device="cuda") * scale).to(dtype)[:, :v]  # rows apart by more than V
     target = torch.randint(0, v, (n,), device="cuda")
     edges = torch.tensor([0, v - 1, min(1, v - 1), max(v - 2, 0)], device="cuda")[:n]
@@ -74,7 +60,7 @@ def test_matches_float64(monkeypatch, n, v, dtype, eps, reduction, ignored, scal
 @pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA GPU: the CUDA C kernel runs nowhere else")
 def test_out_of_range_target_gives_nan(monkeypatch):
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
-    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
+    monkeypatch.setattr(onchip, "MIN_ROWS_PER_SM", 0)
     z = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
     loss, _ = native.cross_entropy_fwd(z, torch.tensor([0, 1024, -100], device="cuda"), -100, 0.0, "none", True)
     assert loss[0].isfinite() and loss[1].isnan() and loss[2] == 0
@@ -91,7 +77,7 @@ def test_special_values_as_the_reference(monkeypatch, dtype, eps, v):
     loss and NaN gradient everywhere, and a ±max logit's row inf gradients, before the kernel took
     its exponents of differences and kept a row's +inf or NaN maximum as its lse)."""
     monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
-    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
+    monkeypatch.setattr(onchip, "MIN_ROWS_PER_SM", 0)
     n = 11
     z = torch.randn(n, v, device="cuda").to(dtype)
     target = torch.randint(0, v, (n,), device="cuda")

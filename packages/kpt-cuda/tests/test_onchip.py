@@ -1,13 +1,30 @@
-"""`kpt_cuda.onchip`: which rows the CUDA C kernel takes, and how it splits them between registers and
-shared memory (any machine; what it computes is tested through its kernels, `test_cross_entropy`
-and `test_softmax`)."""
+"""`kpt_cuda.onchip`: the kernels wired to it, which rows the CUDA C kernel takes, and how it splits
+them between registers and shared memory (any machine; what it computes is tested through its
+kernels, `test_cross_entropy` and `test_softmax`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kpt_cuda import onchip
+from kpt_cuda import backend, cross_entropy, onchip, softmax
+
+
+@pytest.mark.parametrize("native", [cross_entropy, softmax], ids=["cross_entropy", "softmax"])
+def test_wired_only_where_cupy_runs(monkeypatch, native):
+    kernel = native.__name__.rsplit(".", 1)[-1]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(native, "available", lambda: False)
+    kernels = backend.CudaBackend().kernels()
+    assert kernels[kernel].forward.body.__module__ == f"kpt_triton.{kernel}"
+    monkeypatch.setattr(native, "available", lambda: True)
+    kernels = backend.CudaBackend().kernels()
+    assert kernels[kernel].forward.body is getattr(native, f"{kernel}_fwd")
+    assert kernels[kernel].backward.body is getattr(native, f"{kernel}_bwd")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = backend.CudaBackend().kernels()
+    assert kernels[kernel].forward.body.__module__ == f"kpt_triton.{kernel}"
+
 
 H100_SMEM = 232448
 """Shared memory one block may use on an H100 (and the H200)."""

@@ -8,19 +8,8 @@ import torch
 
 import kpt
 from kpt.testing import poisoned
-from kpt_cuda import backend, onchip
+from kpt_cuda import onchip
 from kpt_cuda import softmax as native
-
-
-def test_wired_only_where_cupy_runs(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(native, "available", lambda: False)
-    kernels = backend.CudaBackend().kernels()
-    assert kernels["softmax"].forward.body.__module__ == "kpt_triton.softmax"
-    monkeypatch.setattr(native, "available", lambda: True)
-    kernels = backend.CudaBackend().kernels()
-    assert kernels["softmax"].forward.body is native.softmax_fwd
-    assert kernels["softmax"].backward.body is native.softmax_bwd
 
 
 def test_short_rows_and_other_dims_go_to_the_portable_kernel(monkeypatch):
@@ -50,7 +39,7 @@ gpu = pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA G
     ((9, 40000), 4, torch.float32, 3.0),
 ])
 def test_matches_float64(monkeypatch, shape, pad, dtype, scale):
-    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
+    monkeypatch.setattr(onchip, "MIN_ROWS_PER_SM", 0)
     launched = []
     launch = onchip.launch
     monkeypatch.setattr(onchip, "launch", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
@@ -78,7 +67,7 @@ def test_matches_float64(monkeypatch, shape, pad, dtype, scale):
 def test_special_values_as_the_reference(monkeypatch, dtype, v):
     """NaN, ±inf and ±max: the same NaN and inf positions as the float64 reference of the contract,
     finite values close."""
-    monkeypatch.setattr(native, "ONCHIP_MIN_ROWS_PER_SM", 0)
+    monkeypatch.setattr(onchip, "MIN_ROWS_PER_SM", 0)
     x = torch.randn(8, v, device="cuda").to(dtype)
     big = torch.finfo(dtype).max
     x[1, 7] = float("nan")

@@ -31,18 +31,12 @@ V = 16384: narrower rows stay in L2 between the portable kernel's two reads, and
 multiprocessor leaves most of its threads idle."""
 
 
-ONCHIP_MIN_ROWS_PER_SM = 1
-"""The fewest rows held on chip, per multiprocessor: the kernel gives each row one block, so fewer
-rows leave multiprocessors idle, where the portable kernel cuts each row into spans (one token:
-4.3 µs of GPU time for a 128256-wide forward on an H100, `benchmarks/h100-2026-11-27.md`)."""
-
-
 def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, *,
                       block_v: int = 8192, elems_per_warp: int = 512,
                       programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, dlogits)`` like the portable `kpt_triton.cross_entropy.cross_entropy_fwd`, whose
     tuning keywords it passes on when it hands a call over."""
-    split = onchip.split_for(logits, ONCHIP_MIN_V, ONCHIP_MIN_ROWS_PER_SM) if needs_grad else None
+    split = onchip.split_for(logits, ONCHIP_MIN_V) if needs_grad else None
     if split is None:
         return portable.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad,
                                           block_v=block_v, elems_per_warp=elems_per_warp,

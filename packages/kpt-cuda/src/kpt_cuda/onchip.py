@@ -60,14 +60,20 @@ def onchip_split(rows: torch.Tensor, smem_bytes: int) -> tuple[int, int] | None:
     return (reg_vecs, smem_vecs) if reg_vecs <= MAX_REG_VECS else None
 
 
-def split_for(rows: torch.Tensor, min_width: int, min_rows_per_sm: int) -> tuple[int, int] | None:
+MIN_ROWS_PER_SM = 1
+"""The fewest rows held on chip, per multiprocessor: the kernel gives each row one block, so fewer
+rows leave multiprocessors idle, where the portable kernels cut each row into spans (one token:
+4.3 µs of GPU time for a 128256-wide cross-entropy forward on an H100,
+`benchmarks/h100-2026-11-27.md`)."""
+
+
+def split_for(rows: torch.Tensor, min_width: int) -> tuple[int, int] | None:
     """`onchip_split` of ``rows`` on its device, for a call with at least ``min_width`` columns and
-    ``min_rows_per_sm`` rows per multiprocessor (one block a row: fewer rows leave most of the GPU
-    idle, where the portable kernels cut each row across multiprocessors); else None."""
+    `MIN_ROWS_PER_SM` rows per multiprocessor; else None."""
     if not rows.is_cuda or rows.dim() != 2 or rows.shape[1] < min_width:
         return None
     props = torch.cuda.get_device_properties(rows.device)
-    if rows.shape[0] < min_rows_per_sm * props.multi_processor_count:
+    if rows.shape[0] < MIN_ROWS_PER_SM * props.multi_processor_count:
         return None
     return onchip_split(rows, props.shared_memory_per_block_optin)
 

@@ -19,18 +19,13 @@ from . import onchip
 
 available = onchip.available
 
-ONCHIP_MIN_ROWS_PER_SM = 1
-"""The fewest rows held on chip, per multiprocessor (one block a row); fewer rows are cut into
-spans by the portable kernel."""
-
-
 def softmax_fwd(x: torch.Tensor, dim: int, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
                 elems_per_warp: int = 512, stream: bool = False) -> tuple[torch.Tensor]:
     """``(y,)`` like the portable `kpt_triton.softmax.softmax_fwd`, whose tuning keywords it passes
     on when it hands a call over."""
     d = x.shape[dim]
     rows = x.view(-1, d) if dim == x.dim() - 1 and d > max_block and (x.dim() == 2 or x.is_contiguous()) else None
-    split = None if rows is None else onchip.split_for(rows, max_block + 1, ONCHIP_MIN_ROWS_PER_SM)
+    split = None if rows is None else onchip.split_for(rows, max_block + 1)
     if rows is None or split is None:
         return portable.softmax_fwd(x, dim, max_block=max_block, chunk=chunk, tile_elems=tile_elems,
                                     elems_per_warp=elems_per_warp, stream=stream)
