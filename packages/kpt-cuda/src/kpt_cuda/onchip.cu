@@ -1,5 +1,5 @@
-// One row per block, held on chip between its two uses: softmax, and the cross-entropy loss with its
-// gradient (the softmax minus the target's one-hot).
+// One row per block, held on chip between its two uses: softmax, the cross-entropy loss with its
+// gradient (the softmax minus the target's one-hot), and the softmax's backward.
 //
 // A row of 128K bf16 logits (256 KB) is too big for one multiprocessor's shared memory
 // (227 KB) but not for its shared memory and registers together. Each block (one per
@@ -22,7 +22,13 @@
 // gradient reaching each row's loss (*grad, the same for every row); an ignored row's dz is 0. A
 // target outside [0, V) that is not ignored gives a NaN loss. A slot's next load is issued after
 // the thread has read the slot into registers, so the asynchronous copy never overwrites a value
-// still to be read. Compiled by NVRTC (no headers needed).
+// still to be read.
+//
+// The softmax's backward, dx = y * (dy - sum(y * dy)) (`softmax_bwd_onchip`), holds the row of y the
+// same way and streams dy past it twice: once for the sum, once for dx. The second read of dy finds
+// most of it in L2 (one row per multiprocessor: 33 MB at 128K bf16 columns on an H100, of 50 MB),
+// where reading both y and dy twice (the portable kernel) does not fit. Compiled by NVRTC (no
+// headers needed).
 
 typedef unsigned int u32;
 
@@ -128,6 +134,12 @@ __device__ __forceinline__ void cp_async_wait_group(int pending) {
 #undef KPT_WAIT
 }
 
+__device__ __forceinline__ uint4 load_streaming(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ void store_streaming(uint4* p, uint4 v) {
     asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -219,7 +231,7 @@ __device__ __forceinline__ float grad_of(float z, bool is_target, bool kept, flo
 
 // z: [n, v] logits, rows stride_zn elements apart; dz: [n, v] contiguous, the softmax or (LOSS) the
 // gradient; target, grad and loss are read and written only with LOSS.
-template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING, bool EDGES, bool LOSS>
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING, bool LOSS, bool EDGES>
 __global__ void __launch_bounds__(THREADS, 1)
 row_onchip(const void* __restrict__ z, const long long* __restrict__ target, const float* __restrict__ grad,
            float* __restrict__ loss, void* __restrict__ dz, long long n, long long stride_zn,
@@ -321,6 +333,89 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
             E::store(dz, dz_offset + c, grad_of(edge, c == t, kept, lse, g, off, hit));
         }
         if (next < n && tid < after.edges) edge = E::scalar(z, after.offset + after.edge_column(tid));
+        span = after;
+    }
+}
+
+// y, dy: [n, v], rows stride_yn and stride_dyn elements apart, each stride equal to v modulo a vector
+// (the caller checks), so a row of y, of dy and of the contiguous dx share their head, vectors and tail.
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool EDGES>
+__global__ void __launch_bounds__(THREADS, 1)
+softmax_bwd_onchip(const void* __restrict__ y, const void* __restrict__ dy, void* __restrict__ dx, long long n,
+                   long long stride_yn, long long stride_dyn, int v) {
+    using E = Elem<KIND>;
+    constexpr int EL = E::EL;
+    constexpr int VECS = REG_VECS + SMEM_VECS;
+    extern __shared__ uint4 slots[];  // [SMEM_VECS][THREADS]
+    __shared__ float scratch[2][THREADS / 32];  // alternate rows' sums: one reduction a row, no barrier between
+
+    const int tid = threadIdx.x;
+    uint4 reg[REG_VECS > 0 ? REG_VECS : 1];
+    float edge = 0.f;  // this thread's element of y's head or tail, where it has one
+
+    long long row = blockIdx.x;
+    if (row >= n) return;
+    Span<EL, EDGES> span = Span<EL, EDGES>::at(row * stride_yn, v);
+
+    // the first row of y
+    const uint4* first = span.vectors(y);
+#pragma unroll
+    for (int k = 0; k < VECS; ++k) {
+        const int j = k * THREADS + tid;
+        if (j < span.nvec) {
+            if (k < REG_VECS) reg[k] = first[j];
+            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], first + j);
+        }
+        if (k >= REG_VECS) cp_async_commit();
+    }
+    if (tid < span.edges) edge = E::scalar(y, span.offset + span.edge_column(tid));
+
+    for (int parity = 0; row < n; row += gridDim.x, parity ^= 1) {
+        const Span<EL, EDGES> dspan = Span<EL, EDGES>::at(row * stride_dyn, v);
+        const uint4* dy_vectors = dspan.vectors(dy);
+        const float dy_edge = tid < span.edges ? E::scalar(dy, dspan.offset + dspan.edge_column(tid)) : 0.f;
+
+        // pass A: sum(y * dy), y's vectors as they arrive, dy read alongside
+        float dot = tid < span.edges ? edge * dy_edge : 0.f;
+#pragma unroll
+        for (int k = 0; k < VECS; ++k) {
+            if (k >= REG_VECS) cp_async_wait_group(VECS - 1 - k);
+            const int j = k * THREADS + tid;
+            if (j < span.nvec) {
+                float fy[EL], fd[EL];
+                E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], fy);
+                E::unpack(dy_vectors[j], fd);
+#pragma unroll
+                for (int i = 0; i < EL; ++i) dot += fy[i] * fd[i];
+            }
+        }
+        dot = block_reduce<THREADS, 1>(dot, scratch[parity]);
+
+        // pass B: dx, dy read again (its last use), each slot then loading the next row of y
+        const long long next = row + gridDim.x;
+        const Span<EL, EDGES> after = Span<EL, EDGES>::at(next * stride_yn, v);
+        const uint4* next_vectors = after.vectors(y);
+        const long long dx_offset = row * v;
+        uint4* dx_vectors = Span<EL, EDGES>::at(dx_offset, v).vectors(dx);
+#pragma unroll
+        for (int k = 0; k < VECS; ++k) {
+            const int j = k * THREADS + tid;
+            if (j < span.nvec) {
+                float fy[EL], fd[EL];
+                E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], fy);
+                E::unpack(load_streaming(dy_vectors + j), fd);
+#pragma unroll
+                for (int i = 0; i < EL; ++i) fy[i] *= fd[i] - dot;
+                store_streaming(dx_vectors + j, E::pack(fy));
+            }
+            if (next < n && j < after.nvec) {
+                if (k < REG_VECS) reg[k] = next_vectors[j];
+                else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], next_vectors + j);
+            }
+            if (k >= REG_VECS) cp_async_commit();
+        }
+        if (tid < span.edges) E::store(dx, dx_offset + span.edge_column(tid), edge * (dy_edge - dot));
+        if (next < n && tid < after.edges) edge = E::scalar(y, after.offset + after.edge_column(tid));
         span = after;
     }
 }

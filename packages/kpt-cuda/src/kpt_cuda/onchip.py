@@ -44,16 +44,20 @@ def available() -> bool:
     return device.cupy_version() is not None
 
 
-def onchip_split(rows: torch.Tensor, smem_bytes: int) -> tuple[int, int] | None:
+def onchip_split(rows: torch.Tensor, smem_bytes: int, *alike: torch.Tensor) -> tuple[int, int] | None:
     """``(register vectors, shared-memory vectors)`` per thread when a row of the 2-D ``rows`` fits
-    on chip with ``smem_bytes`` of shared memory per block and the kernel can read it; else None."""
+    on chip with ``smem_bytes`` of shared memory per block and the kernel can read it, and the
+    tensors ``alike`` that it reads beside it have its shape and dtype and can be read alike; else
+    None."""
     if rows.dtype not in _KIND or rows.dim() != 2 or 0 in rows.shape:
         return None
     per_vec = 16 // rows.element_size()
     n, v = rows.shape
-    # the output is contiguous: its rows must start where the input's rows do, modulo a vector
-    if rows.stride(1) != 1 or (n > 1 and (rows.stride(0) - v) % per_vec) or rows.data_ptr() % 16:
-        return None
+    for t in (rows, *alike):
+        # the output is contiguous: its rows must start where the input's rows do, modulo a vector
+        if (t.shape, t.dtype) != (rows.shape, rows.dtype) or t.stride(1) != 1 or \
+                (n > 1 and (t.stride(0) - v) % per_vec) or t.data_ptr() % 16:
+            return None
     vecs = -(-(v // per_vec) // THREADS)  # whole vectors of a row, at most v // per_vec
     smem_vecs = min(vecs, (smem_bytes - _SCRATCH_BYTES) // (16 * THREADS))
     reg_vecs = vecs - smem_vecs
@@ -67,29 +71,53 @@ rows leave multiprocessors idle, where the portable kernels cut each row into sp
 `benchmarks/h100-2026-11-27.md`)."""
 
 
-def split_for(rows: torch.Tensor, min_width: int) -> tuple[int, int] | None:
-    """`onchip_split` of ``rows`` on its device, for a call with at least ``min_width`` columns and
-    `MIN_ROWS_PER_SM` rows per multiprocessor; else None."""
+def split_for(rows: torch.Tensor, min_width: int, *alike: torch.Tensor) -> tuple[int, int] | None:
+    """`onchip_split` of ``rows`` (and ``alike``) on its device, for a call with at least
+    ``min_width`` columns and `MIN_ROWS_PER_SM` rows per multiprocessor; else None."""
     if not rows.is_cuda or rows.dim() != 2 or rows.shape[1] < min_width:
         return None
     props = torch.cuda.get_device_properties(rows.device)
     if rows.shape[0] < MIN_ROWS_PER_SM * props.multi_processor_count:
         return None
-    return onchip_split(rows, props.shared_memory_per_block_optin)
+    return onchip_split(rows, props.shared_memory_per_block_optin, *alike)
 
 
 @functools.cache
-def _kernel(kind: int, reg_vecs: int, smem_vecs: int, smoothing: bool, edges: bool, loss: bool,
-            device_index: int) -> Any:
+def _kernel(name: str, smem_vecs: int, device_index: int) -> Any:
+    """The kernel instance ``name`` of ``onchip.cu``, compiled for one device."""
     import cupy
 
-    flags = ", ".join(str(f).lower() for f in (smoothing, edges, loss))
-    name = f"row_onchip<{kind}, {THREADS}, {reg_vecs}, {smem_vecs}, {flags}>"
     source = resources.files(__package__).joinpath("onchip.cu").read_text()
     with cupy.cuda.Device(device_index):
         kernel = cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=(name,)).get_function(name)
         kernel.max_dynamic_shared_size_bytes = smem_vecs * THREADS * 16
     return kernel
+
+
+def _instance(kernel: str, rows: torch.Tensor, split: tuple[int, int], *flags: bool) -> Any:
+    """``kernel`` compiled for ``rows`` (2-D) held with ``split``; rows of whole 16-byte vectors
+    compile without the head-and-tail code (5-10% faster at 32K columns)."""
+    n, v = rows.shape
+    per_vec = 16 // rows.element_size()
+    edges = bool(v % per_vec or (n > 1 and rows.stride(0) % per_vec))
+    args = ", ".join(str(a).lower() for a in (_KIND[rows.dtype], THREADS, *split, *flags, edges))
+    return _kernel(f"{kernel}<{args}>", split[1], rows.device.index)  # a CUDA tensor's device names its index
+
+
+def _run(kernel: Any, rows: torch.Tensor, split: tuple[int, int], *args: Any) -> None:
+    """Launch ``kernel`` on the current stream: one block of `THREADS` per row, at most one per
+    multiprocessor."""
+    # CuPy and the numpy it depends on are optional: imported only where the kernel runs
+    import cupy
+
+    index = rows.device.index
+    with warnings.catch_warnings():
+        # CuPy 14 deprecates ExternalStream for Stream.from_external, which CuPy 13 lacks
+        warnings.simplefilter("ignore", DeprecationWarning)
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(rows.device).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
+        kernel((persistent_programs(rows.shape[0], rows.device, 1),), (THREADS,), args,
+               shared_mem=split[1] * THREADS * 16)
 
 
 def launch(rows: torch.Tensor, out: torch.Tensor, split: tuple[int, int], *, target: torch.Tensor | None = None,
@@ -99,27 +127,21 @@ def launch(rows: torch.Tensor, out: torch.Tensor, split: tuple[int, int], *, tar
     into the contiguous ``out`` of its shape; given a ``target`` (int64, one per row), ``grad``
     (one float32: the gradient reaching each row's loss) and ``losses`` (float32, one per row),
     write each row's cross-entropy loss there and its gradient into ``out`` instead."""
-    # CuPy and the numpy it depends on are optional: imported only where the kernel runs
-    import cupy
     import numpy as np
 
-    reg_vecs, smem_vecs = split
     n, v = rows.shape
-    index = rows.device.index  # a CUDA tensor's device always names its index
-    per_vec = 16 // rows.element_size()
-    # rows of whole vectors compile without the head-and-tail code (5-10% faster at 32K columns)
-    edges = bool(v % per_vec or (n > 1 and rows.stride(0) % per_vec))
-    loss = target is not None
-    kernel = _kernel(_KIND[rows.dtype], reg_vecs, smem_vecs, label_smoothing > 0, edges, loss, index)
+    kernel = _instance("row_onchip", rows, split, label_smoothing > 0, target is not None)
     address = [np.uint64(t.data_ptr() if t is not None else 0) for t in (target, grad, losses)]
-    with warnings.catch_warnings():
-        # CuPy 14 deprecates ExternalStream for Stream.from_external, which CuPy 13 lacks
-        warnings.simplefilter("ignore", DeprecationWarning)
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(rows.device).cuda_stream, index)
-    with cupy.cuda.Device(index), stream:
-        kernel(
-            (persistent_programs(n, rows.device, 1),), (THREADS,),
-            (np.uint64(rows.data_ptr()), *address, np.uint64(out.data_ptr()), np.int64(n),
-             np.int64(rows.stride(0)), np.int64(ignore_index), np.int32(v), np.float32(label_smoothing)),
-            shared_mem=smem_vecs * THREADS * 16,
-        )
+    _run(kernel, rows, split, np.uint64(rows.data_ptr()), *address, np.uint64(out.data_ptr()), np.int64(n),
+         np.int64(rows.stride(0)), np.int64(ignore_index), np.int32(v), np.float32(label_smoothing))
+
+
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, split: tuple[int, int]) -> None:
+    """Write ``y * (dy - sum(y * dy))`` of each row into the contiguous ``dx``: the softmax's input
+    gradient, from its output ``y`` and output gradient ``dy`` (2-D, accepted by `split_for` with
+    ``split``)."""
+    import numpy as np
+
+    n, v = y.shape
+    _run(_instance("softmax_bwd_onchip", y, split), y, split, np.uint64(y.data_ptr()), np.uint64(dy.data_ptr()),
+         np.uint64(dx.data_ptr()), np.int64(n), np.int64(y.stride(0)), np.int64(dy.stride(0)), np.int32(v))

@@ -1,12 +1,14 @@
-"""Vendor-native softmax forward: rows too long for the portable kernel's registers read once.
+"""Vendor-native softmax: rows too long for the portable kernel's registers held on chip.
 
-The portable forward (``kpt_triton.softmax``) keeps a row of up to ``max_block`` columns in
-registers (32768 on Hopper, `kpt_cuda.tuning`) and reads a longer one twice, the second time
-mostly from L2. `kpt_cuda.onchip`'s CUDA C kernel holds such a row in a multiprocessor's shared
-memory and registers and reads it once, as torch's own softmax does for rows that fit its shared
-memory. It runs where `kpt_cuda.onchip` runs and takes the rows, for a softmax over the last
-dimension of a 2-D or contiguous tensor with more than ``max_block`` columns and at least one row
-per multiprocessor. Every other call, and the backward, runs the portable kernels.
+The portable kernels (``kpt_triton.softmax``) keep a row of up to ``max_block`` columns in
+registers (32768 on Hopper for the forward, 16384 for the backward, `kpt_cuda.tuning`) and read a
+longer one twice, the second time mostly from L2; the backward reads both ``y`` and ``dy`` twice.
+`kpt_cuda.onchip`'s CUDA C kernels hold such a row in a multiprocessor's shared memory and
+registers instead: the forward reads ``x`` once (as torch's own softmax does for rows that fit its
+shared memory), the backward reads ``y`` once and ``dy`` twice, the second time from L2. They run
+where `kpt_cuda.onchip` runs and takes the rows, for a softmax over the last dimension of 2-D or
+contiguous tensors with more than ``max_block`` columns (the backward: more than 32768) and at least
+one row per multiprocessor. Every other call runs the portable kernels.
 """
 
 from __future__ import annotations
@@ -19,12 +21,21 @@ from . import onchip
 
 available = onchip.available
 
+
+def _rows(t: torch.Tensor, dim: int, max_block: int) -> torch.Tensor | None:
+    """The 2-D rows of ``t`` for a softmax over ``dim``, where they are wider than ``max_block`` and
+    ``dim`` is the last dimension of a 2-D or contiguous tensor; else None."""
+    d = t.shape[dim]
+    if dim == t.dim() - 1 and d > max_block and (t.dim() == 2 or t.is_contiguous()):
+        return t.view(-1, d)
+    return None
+
+
 def softmax_fwd(x: torch.Tensor, dim: int, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
                 elems_per_warp: int = 512, stream: bool = False) -> tuple[torch.Tensor]:
     """``(y,)`` like the portable `kpt_triton.softmax.softmax_fwd`, whose tuning keywords it passes
     on when it hands a call over."""
-    d = x.shape[dim]
-    rows = x.view(-1, d) if dim == x.dim() - 1 and d > max_block and (x.dim() == 2 or x.is_contiguous()) else None
+    rows = _rows(x, dim, max_block)
     split = None if rows is None else onchip.split_for(rows, max_block + 1)
     if rows is None or split is None:
         return portable.softmax_fwd(x, dim, max_block=max_block, chunk=chunk, tile_elems=tile_elems,
@@ -34,4 +45,23 @@ def softmax_fwd(x: torch.Tensor, dim: int, *, max_block: int = 16384, chunk: int
     return (y.view(x.shape),)
 
 
-softmax_bwd = portable.softmax_bwd
+BACKWARD_MIN_WIDTH = 32769
+"""The narrowest rows whose backward is held on chip. On an H100 (bf16, 4096 rows, GPU µs, L2
+flushed) the CUDA C backward took 495 against the portable kernel's 598 at 50257 columns, 1426
+against 1721 at 128256, but 291 against 276 at 32768 and 171 against 166 at 16400: up to 32768
+columns, the portable kernel's second reads find y and dy in L2 (`benchmarks/h100-2026-11-27f.md`)."""
+
+
+def softmax_bwd(x: torch.Tensor, dim: int, y: torch.Tensor, dy: torch.Tensor, *, max_block: int = 16384,
+                chunk: int = 16384, tile_elems: int = 2048, elems_per_warp: int = 512) -> tuple[torch.Tensor]:
+    """``(dx,)`` like the portable `kpt_triton.softmax.softmax_bwd`, whose tuning keywords it passes
+    on when it hands a call over."""
+    y_rows, dy_rows = _rows(y, dim, max_block), _rows(dy, dim, max_block)
+    split = None if y_rows is None or dy_rows is None else \
+        onchip.split_for(y_rows, max(max_block + 1, BACKWARD_MIN_WIDTH), dy_rows)
+    if y_rows is None or dy_rows is None or split is None:
+        return portable.softmax_bwd(x, dim, y, dy, max_block=max_block, chunk=chunk, tile_elems=tile_elems,
+                                    elems_per_warp=elems_per_warp)
+    dx = torch.empty(y_rows.shape, dtype=x.dtype, device=x.device)
+    onchip.softmax_backward(y_rows, dy_rows, dx, split)
+    return (dx.view(x.shape),)
