@@ -337,6 +337,70 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
     }
 }
 
+// One row of the softmax's backward. Pass A takes the row's vectors of y in the order their loads
+// were issued (REVERSE: last to first) and reads dy beside them; pass B goes the other way, so that
+// it reads first the vectors of dy read last, the likeliest still in L2, and issues the next row's
+// loads of y in its own order (the next row runs with !REVERSE).
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool EDGES, bool REVERSE>
+__device__ __forceinline__ void softmax_bwd_row(uint4 (&reg)[REG_VECS > 0 ? REG_VECS : 1], uint4* slots, float* scratch,
+                                                Span<Elem<KIND>::EL, EDGES>& span, float& edge, const void* y,
+                                                const void* dy, void* dx, long long row, long long n,
+                                                long long stride_yn, long long stride_dyn, int v) {
+    using E = Elem<KIND>;
+    constexpr int EL = E::EL;
+    constexpr int VECS = REG_VECS + SMEM_VECS;
+    const int tid = threadIdx.x;
+    const Span<EL, EDGES> dspan = Span<EL, EDGES>::at(row * stride_dyn, v);
+    const uint4* dy_vectors = dspan.vectors(dy);
+    const float dy_edge = tid < span.edges ? E::scalar(dy, dspan.offset + dspan.edge_column(tid)) : 0.f;
+
+    // pass A: sum(y * dy), y's vectors as they arrive, dy read alongside
+    float dot = tid < span.edges ? edge * dy_edge : 0.f;
+#pragma unroll
+    for (int p = 0; p < VECS; ++p) {
+        const int k = REVERSE ? VECS - 1 - p : p;
+        // the i-th shared-memory slot in this order waits for its group, the i-th issued
+        if (k >= REG_VECS) cp_async_wait_group(SMEM_VECS - 1 - (REVERSE ? p : p - REG_VECS));
+        const int j = k * THREADS + tid;
+        if (j < span.nvec) {
+            float fy[EL], fd[EL];
+            E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], fy);
+            E::unpack(dy_vectors[j], fd);
+#pragma unroll
+            for (int i = 0; i < EL; ++i) dot += fy[i] * fd[i];
+        }
+    }
+    dot = block_reduce<THREADS, 1>(dot, scratch);
+
+    // pass B, the other way: dx, dy read again (its last use), each slot then loading the next row of y
+    const long long next = row + gridDim.x;
+    const Span<EL, EDGES> after = Span<EL, EDGES>::at(next * stride_yn, v);
+    const uint4* next_vectors = after.vectors(y);
+    const long long dx_offset = row * v;
+    uint4* dx_vectors = Span<EL, EDGES>::at(dx_offset, v).vectors(dx);
+#pragma unroll
+    for (int p = 0; p < VECS; ++p) {
+        const int k = REVERSE ? p : VECS - 1 - p;
+        const int j = k * THREADS + tid;
+        if (j < span.nvec) {
+            float fy[EL], fd[EL];
+            E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], fy);
+            E::unpack(load_streaming(dy_vectors + j), fd);
+#pragma unroll
+            for (int i = 0; i < EL; ++i) fy[i] *= fd[i] - dot;
+            store_streaming(dx_vectors + j, E::pack(fy));
+        }
+        if (next < n && j < after.nvec) {
+            if (k < REG_VECS) reg[k] = next_vectors[j];
+            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], next_vectors + j);
+        }
+        if (k >= REG_VECS) cp_async_commit();
+    }
+    if (tid < span.edges) E::store(dx, dx_offset + span.edge_column(tid), edge * (dy_edge - dot));
+    if (next < n && tid < after.edges) edge = E::scalar(y, after.offset + after.edge_column(tid));
+    span = after;
+}
+
 // y, dy: [n, v], rows stride_yn and stride_dyn elements apart, each stride equal to v modulo a vector
 // (the caller checks), so a row of y, of dy and of the contiguous dx share their head, vectors and tail.
 template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool EDGES>
@@ -357,7 +421,7 @@ softmax_bwd_onchip(const void* __restrict__ y, const void* __restrict__ dy, void
     if (row >= n) return;
     Span<EL, EDGES> span = Span<EL, EDGES>::at(row * stride_yn, v);
 
-    // the first row of y
+    // the first row of y, first to last
     const uint4* first = span.vectors(y);
 #pragma unroll
     for (int k = 0; k < VECS; ++k) {
@@ -371,51 +435,11 @@ softmax_bwd_onchip(const void* __restrict__ y, const void* __restrict__ dy, void
     if (tid < span.edges) edge = E::scalar(y, span.offset + span.edge_column(tid));
 
     for (int parity = 0; row < n; row += gridDim.x, parity ^= 1) {
-        const Span<EL, EDGES> dspan = Span<EL, EDGES>::at(row * stride_dyn, v);
-        const uint4* dy_vectors = dspan.vectors(dy);
-        const float dy_edge = tid < span.edges ? E::scalar(dy, dspan.offset + dspan.edge_column(tid)) : 0.f;
-
-        // pass A: sum(y * dy), y's vectors as they arrive, dy read alongside
-        float dot = tid < span.edges ? edge * dy_edge : 0.f;
-#pragma unroll
-        for (int k = 0; k < VECS; ++k) {
-            if (k >= REG_VECS) cp_async_wait_group(VECS - 1 - k);
-            const int j = k * THREADS + tid;
-            if (j < span.nvec) {
-                float fy[EL], fd[EL];
-                E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], fy);
-                E::unpack(dy_vectors[j], fd);
-#pragma unroll
-                for (int i = 0; i < EL; ++i) dot += fy[i] * fd[i];
-            }
-        }
-        dot = block_reduce<THREADS, 1>(dot, scratch[parity]);
-
-        // pass B: dx, dy read again (its last use), each slot then loading the next row of y
-        const long long next = row + gridDim.x;
-        const Span<EL, EDGES> after = Span<EL, EDGES>::at(next * stride_yn, v);
-        const uint4* next_vectors = after.vectors(y);
-        const long long dx_offset = row * v;
-        uint4* dx_vectors = Span<EL, EDGES>::at(dx_offset, v).vectors(dx);
-#pragma unroll
-        for (int k = 0; k < VECS; ++k) {
-            const int j = k * THREADS + tid;
-            if (j < span.nvec) {
-                float fy[EL], fd[EL];
-                E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], fy);
-                E::unpack(load_streaming(dy_vectors + j), fd);
-#pragma unroll
-                for (int i = 0; i < EL; ++i) fy[i] *= fd[i] - dot;
-                store_streaming(dx_vectors + j, E::pack(fy));
-            }
-            if (next < n && j < after.nvec) {
-                if (k < REG_VECS) reg[k] = next_vectors[j];
-                else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], next_vectors + j);
-            }
-            if (k >= REG_VECS) cp_async_commit();
-        }
-        if (tid < span.edges) E::store(dx, dx_offset + span.edge_column(tid), edge * (dy_edge - dot));
-        if (next < n && tid < after.edges) edge = E::scalar(y, after.offset + after.edge_column(tid));
-        span = after;
+        if (parity)
+            softmax_bwd_row<KIND, THREADS, REG_VECS, SMEM_VECS, EDGES, true>(
+                reg, slots, scratch[1], span, edge, y, dy, dx, row, n, stride_yn, stride_dyn, v);
+        else
+            softmax_bwd_row<KIND, THREADS, REG_VECS, SMEM_VECS, EDGES, false>(
+                reg, slots, scratch[0], span, edge, y, dy, dx, row, n, stride_yn, stride_dyn, v);
     }
 }

@@ -47,8 +47,8 @@ def softmax_fwd(x: torch.Tensor, dim: int, *, max_block: int = 16384, chunk: int
 
 BACKWARD_MIN_WIDTH = 32769
 """The narrowest rows whose backward is held on chip. On an H100 (bf16, 4096 rows, GPU µs, L2
-flushed) the CUDA C backward took 495 against the portable kernel's 598 at 50257 columns, 1426
-against 1721 at 128256, but 291 against 276 at 32768 and 171 against 166 at 16400: up to 32768
+flushed) the CUDA C backward took 494 against the portable kernel's 600 at 50257 columns, 1338
+against 1728 at 128256, but 291 against 276 at 32768 and 171 against 166 at 16400: up to 32768
 columns, the portable kernel's second reads find y and dy in L2 (`benchmarks/h100-2026-11-27f.md`)."""
 
 
