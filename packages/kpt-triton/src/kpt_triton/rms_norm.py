@@ -68,6 +68,9 @@ def _rms_norm_fwd_kernel(
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < R
     cols = tl.arange(0, BLOCK_D)
+    # the weight of the first chunk is requested before the row, so that both loads overlap (a
+    # decode step's one row waited for it after its reduction: 1.8 against Liger's 1.6 µs on an H100)
+    w0 = load_vector(W, cols, D) if HAS_WEIGHT else None
 
     # Pass 1: the sum of squares. The first chunk stays in registers for pass 2.
     mask0 = row_ok[:, None] & (cols < D)[None, :]
@@ -84,7 +87,7 @@ def _rms_norm_fwd_kernel(
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
     # Pass 2: normalize. Later chunks are read again (from H, one read instead of two, if written).
-    _store_rms_normalized(Y, W, rows, cols, D, h0, rstd, mask0, HAS_WEIGHT)
+    _store_rms_normalized(Y, rows, cols, D, h0, rstd, w0, mask0, HAS_WEIGHT)
     if not ONE_CHUNK:
         for c in range(BLOCK_D, D, BLOCK_D):
             mask = row_ok[:, None] & (c + cols < D)[None, :]
@@ -92,15 +95,17 @@ def _rms_norm_fwd_kernel(
                 h = load_tile(H, rows, c + cols, D, 1, mask)
             else:
                 h = load_tile(X, rows, c + cols, stride_xr, stride_xc, mask)
-            _store_rms_normalized(Y, W, rows, c + cols, D, h, rstd, mask, HAS_WEIGHT)
+            w = load_vector(W, c + cols, D) if HAS_WEIGHT else None
+            _store_rms_normalized(Y, rows, c + cols, D, h, rstd, w, mask, HAS_WEIGHT)
 
 
 @triton.jit
-def _store_rms_normalized(Y, W, rows, cols, D, h, rstd, mask, HAS_WEIGHT: tl.constexpr):
-    """``y = h · rstd · w`` stored at columns ``cols`` of the contiguous ``[R, D]`` output."""
+def _store_rms_normalized(Y, rows, cols, D, h, rstd, w, mask, HAS_WEIGHT: tl.constexpr):
+    """``y = h · rstd · w`` (``w`` the weight's values at ``cols``) stored at columns ``cols`` of the
+    contiguous ``[R, D]`` output."""
     y = h * rstd[:, None]
     if HAS_WEIGHT:
-        y *= load_vector(W, cols, D)[None, :]
+        y *= w[None, :]
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
