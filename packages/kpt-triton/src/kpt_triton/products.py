@@ -100,18 +100,18 @@ def linear_fwd(
     """Returns ``(y, pre)`` as `kpt_triton.linear.linear_fwd` does. Torch operations only: an eager
     call that needs gradients is differentiated by torch's autograd (`kpt.torch_autograd`), the
     per-call host cost of ``F.linear`` and the activation; `linear_bwd` serves compiled calls."""
-    x2, shape = rows(x), (*x.shape[:-1], weight.shape[0])
     if bias is not None and bias.dtype != x.dtype:
         # a float32 bias beside 16-bit activations: added in float32 to a float32 product, the
         # activation on that, as the contract does (``torch.addmm`` would round the bias to the
         # activations' dtype first: -max became -inf, gelu(-inf) NaN; a pre-activation near 0
         # changed sign, and relu' with it)
-        pre32 = _product_in_float32(x2, weight) + bias
+        shape = (*x.shape[:-1], weight.shape[0])
+        pre32 = _product_in_float32(rows(x), weight) + bias
         pre = pre32.to(x.dtype).reshape(shape)
         if activation is None:
             return pre, x.new_empty(0)
         return ACTIVATIONS[activation](pre32).to(x.dtype).reshape(shape), pre
-    pre = (torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())).reshape(shape)
+    pre = F.linear(x, weight, bias)  # one op where mm, a transposed view and a reshape were three (host time)
     if activation is None:
         return pre, x.new_empty(0)
     return ACTIVATIONS[activation](pre), pre
