@@ -132,7 +132,8 @@ def graph_ms(fn: Callable[[], Any], rep: float = 100, replays: int = 10) -> floa
 
 def _capture(fn: Callable[[], Any], calls: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``calls`` calls of ``fn``, in a memory pool of its own; on failure the pool
-    is released before the error propagates."""
+    is released before the error propagates (where the graph does not release it: releasing it
+    twice aborts the process)."""
     graph = torch.cuda.CUDAGraph()
     pool = torch.cuda.graph_pool_handle()
     try:
@@ -141,11 +142,12 @@ def _capture(fn: Callable[[], Any], calls: int, stream: torch.cuda.Stream) -> to
                 fn()
     except BaseException:
         device = torch.cuda.current_device()
-        for release in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
-            try:
-                release(device, pool)
-            except RuntimeError:  # already done by the graph's own capture end
-                pass
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool)
+        except RuntimeError:
+            pass  # the capture got as far as ending it: the graph releases its pool itself
+        else:
+            torch._C._cuda_releasePool(device, pool)
         raise
     return graph
 
