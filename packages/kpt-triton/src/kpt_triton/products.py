@@ -111,7 +111,12 @@ def linear_fwd(
         if activation is None:
             return pre, x.new_empty(0)
         return ACTIVATIONS[activation](pre32).to(x.dtype).reshape(shape), pre
-    pre = F.linear(x, weight, bias)  # one op where mm, a transposed view and a reshape were three (host time)
+    # addmm adds the bias before its one rounding (F.linear of a 3-D input rounds the product first:
+    # relu's gradient then flipped where the pre-activation was near 0); no reshape for a 2-D input
+    x2 = rows(x)
+    pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    if x.dim() != 2:
+        pre = pre.reshape(*x.shape[:-1], weight.shape[0])
     if activation is None:
         return pre, x.new_empty(0)
     return ACTIVATIONS[activation](pre), pre
