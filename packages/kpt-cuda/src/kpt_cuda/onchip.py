@@ -1,11 +1,12 @@
-"""Rows held on chip: the CUDA C kernel (``onchip.cu``) that reads each row once, for softmax and cross-entropy.
+"""Rows held on chip: the CUDA C kernels (``onchip.cu``) that read each row once, for softmax and cross-entropy.
 
 The portable kernels (``kpt_triton.softmax``, ``kpt_triton.cross_entropy``) read a row longer than
 they can keep in registers twice, once for its log-sum-exp and once for the output, and rely on
 the L2 cache for the second read; at 50K–150K-wide rows that cache holds too few of them. The
-kernel in ``onchip.cu`` keeps the whole row in one multiprocessor's shared memory and registers
-instead, so it moves the minimum: the row read once, the output written once. It writes the
-softmax of each row, or with a target the cross-entropy loss and its gradient.
+kernels in ``onchip.cu`` keep the whole row in one multiprocessor's shared memory and registers
+instead, so they move the minimum: the row read once, the output written once. `launch` writes the
+softmax of each row, or with a target the cross-entropy loss and its gradient; `softmax_backward`
+holds a row of the softmax's output and reads its gradient past it twice.
 
 It runs where CuPy is installed and a CUDA GPU is present (`available`), on rows of 16- or 32-bit
 floats that `onchip_split` accepts: contiguous columns, a 16-byte aligned base, a row stride equal
