@@ -484,6 +484,25 @@ def add_rms_norm_rounded_h(args: Args, upstream: Args, dtype: torch.dtype) -> di
         **allowance, "weight": torch.maximum((dw_below - dw).abs(), (dw_above - dw).abs())}
 
 
+def softmax_rounded_y(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """softmax's `RoundingAllowance`: what taking ``dx = y · (dy − Σ_dim dy · y)`` from the saved
+    output ``y`` in the inputs' ``dtype`` (either neighbour of the exact probability: GPUs round to
+    nearest, Triton's interpreter truncates), which the oracle holds exact, moves dx by.
+
+    With ``|ŷ_j − y_j| ≤ δ_j``, the step of ``dtype`` at ``y_j``, ``dx_i`` moves by at most
+    ``δ_i · |dy_i − Σ_j y_j dy_j| + (y_i + δ_i) · Σ_j δ_j |dy_j|``. The rounded probabilities of a
+    short row need not sum to 1: where ``dy_i`` nearly equals the row's ``Σ_j y_j dy_j`` (two
+    probabilities far apart) that is far above the tolerance's share of dx; elsewhere it is about
+    one step of ``dtype`` relative to dx."""
+    dim = args["dim"]
+    y = _finite(torch.softmax(args["x"].detach().to(torch.float64), dim))
+    dy = _finite(upstream["dy"].detach().to(torch.float64).to(y.device))
+    below, above = _neighbors(y, dtype)
+    step = above - below
+    dot = (y * dy).sum(dim, keepdim=True)
+    return {"x": step * (dy - dot).abs() + (y + step) * (step * dy.abs()).sum(dim, keepdim=True)}
+
+
 def _neighbors(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``dtype`` values just below and just above each element of the float64 ``t`` (both
     ``t`` where ``dtype`` holds it; ``dtype``'s exponent range is not bounded here)."""
@@ -503,9 +522,11 @@ terms cancel): called with the checked float64 arguments of the oracle, the upst
 and the dtype under test, it returns float64 allowances by input name."""
 
 ROUNDING_ALLOWANCES: dict[str, RoundingAllowance] = {
-    "attention": attention_rounded_o, "linear": linear_rounded_dpre, "add_rms_norm": add_rms_norm_rounded_h}
+    "attention": attention_rounded_o, "linear": linear_rounded_dpre, "add_rms_norm": add_rms_norm_rounded_h,
+    "softmax": softmax_rounded_y}
 """The kernels whose gradients `check_backward` allows a contract-permitted rounding, and its bound:
-attention's row sums from a rounded ``o``, linear's rounded ``dpre``, add_rms_norm's rounded ``h``."""
+attention's row sums from a rounded ``o``, linear's rounded ``dpre``, add_rms_norm's rounded ``h``,
+softmax's rounded ``y``."""
 
 KINKS: dict[str, Callable[[Args, Args, Args, torch.dtype], dict[str, torch.Tensor]]] = {
     "linear": linear_relu_kernel_side}

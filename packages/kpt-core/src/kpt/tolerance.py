@@ -28,7 +28,9 @@ dtype (as FlashAttention does), which moves dq and dk (`kpt.testing.attention_ro
 linear's backward may round ``dpre = dy ⊙ act'(pre)`` to the inputs' dtype (the operand of its
 products, as eager does), which moves dx, dweight and dbias (`kpt.testing.linear_rounded_dpre`);
 add_rms_norm normalizes ``h = x + residual`` rounded to the inputs' dtype (to either neighbour of
-the exact sum), which moves dx and dresidual (`kpt.testing.add_rms_norm_rounded_h`).
+the exact sum), which moves dx and dresidual (`kpt.testing.add_rms_norm_rounded_h`); softmax's
+backward takes ``y`` in the inputs' dtype (the saved output), whose rounded probabilities need not
+sum to 1, which moves dx (`kpt.testing.softmax_rounded_y`).
 Where a derivative jumps (relu's at 0), a pre-activation within the forward's rounding of the
 jump may take either derivative, the one its own forward output shows
 (`kpt.testing.linear_relu_kernel_side`, `kpt.testing.KINKS`).
