@@ -157,10 +157,10 @@ def oldest(session: nox.Session) -> None:
 @nox.session(default=False)
 def fuzz(session: nox.Session) -> None:
     """A larger budget of fuzzed calls than CI's: ``-- N M`` invalid calls (default 2000) and valid
-    calls against the oracle (default 200) per kernel, on the reference, cuda, rocm and fpga-sim
-    backends (the Triton ones through the interpreter on a CPU machine)."""
+    calls against the oracle (default 200) per kernel, on every profile of `PROFILES` (the Triton
+    backends through the interpreter on a CPU machine, kpt-mps through its emulator)."""
     invalid, valid = (*session.posargs, *("2000", "200")[len(session.posargs):])[:2]
-    for profile in ("reference", CUDA_PROFILE, ROCM_PROFILE, "fpga-sim"):
+    for profile in PROFILES:
         backend, packages, extra, env = PROFILES[profile]
         _install(session, *packages, extra=extra)
         session.run("kpt", "check", "--backend", backend, "--report", f"reports/fuzz-{profile}", "--",
