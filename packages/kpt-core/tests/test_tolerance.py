@@ -364,6 +364,42 @@ def test_softmax_may_take_its_gradient_from_a_rounded_y() -> None:
     assert not compare("dx", exact * 1.05, exact, tol, allowance).ok
 
 
+def test_linear_cross_entropy_may_round_dz_before_dbias_sum() -> None:
+    # two rows of two classes, reduction "none": dbias_j = Σ_i dz_ij of both signs nearly cancels,
+    # and rounding dz to bfloat16 before the sum (to nearest, as GPUs do, or towards zero, as
+    # Triton's interpreter does) moves it beyond the table
+    from kpt.kernels.cross_entropy import dlogits
+    from kpt.testing import linear_cross_entropy_rounded_dz
+
+    tol = kpt.tolerance.default_tolerance(torch.bfloat16)
+    beyond_the_table = 0
+    for seed in range(100):
+        g = torch.Generator().manual_seed(seed)
+        h, w = torch.randn(2, 3, generator=g).bfloat16().double(), torch.randn(2, 3, generator=g).bfloat16().double()
+        bias, dloss = torch.randn(2, generator=g, dtype=torch.float64), torch.randn(2, generator=g).bfloat16().double()
+        target = torch.randint(0, 2, (2,), generator=g)
+        args = {"hidden": h, "weight": w, "target": target, "bias": bias, "ignore_index": -100, "reduction": "none"}
+        allowance = linear_cross_entropy_rounded_dz(args, {"dloss": dloss}, torch.bfloat16)["bias"]
+        z = h @ w.T + bias
+        dz = dlogits(z, target, torch.logsumexp(z, -1), 0.0, dloss, torch.ones(2, dtype=torch.bool))
+        towards_zero = (dz.float().view(torch.int32) & ~0xFFFF).view(torch.float32).double()
+        for rounded in (dz.bfloat16().double(), towards_zero):
+            assert compare("dbias", rounded.sum(0), dz.sum(0), tol, allowance).ok, seed
+            beyond_the_table += not compare("dbias", rounded.sum(0), dz.sum(0), tol).ok
+    assert beyond_the_table >= 3  # some cases need the allowance
+    # 512 rows of a 256-class vocabulary: the allowance is a small part of dhidden, 5% off fails
+    g = torch.Generator().manual_seed(0)
+    h, w = (torch.randn(rows, 64, generator=g, dtype=torch.float64) for rows in (512, 256))
+    target = torch.randint(0, 256, (512,), generator=g)
+    args = {"hidden": h, "weight": w, "target": target, "bias": None, "ignore_index": -100, "reduction": "mean"}
+    allowance = linear_cross_entropy_rounded_dz(args, {"dloss": torch.tensor(1.0, dtype=torch.float64)},
+                                                torch.bfloat16)["hidden"]
+    z = h @ w.T
+    dh = dlogits(z, target, torch.logsumexp(z, -1), 0.0, torch.full((512,), 1 / 512, dtype=torch.float64),
+                 torch.ones(512, dtype=torch.bool)) @ w
+    assert not compare("dhidden", dh * 1.05, dh, tol, allowance).ok
+
+
 def test_the_oracle_takes_the_upstream_gradients_the_backend_is_given() -> None:
     # the reference in bfloat16 on rows of one element, whose dx = eps · rstd³ · w · dy + dh may
     # nearly cancel: float64 upstream gradients for the oracle and bfloat16 ones for the backend

@@ -24,6 +24,7 @@ import torch
 
 from .backend import Backend
 from .kernels.attention import by_chunks, probabilities, visible_keys
+from .kernels.cross_entropy import dlogits, row_grads
 from .kernels.linear import activation_grad as linear_activation_grad
 from .kernels.linear import linear_backward
 from .kernels.rms_norm import rms_norm_backward, rms_norm_forward
@@ -390,18 +391,31 @@ def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
     return {"q": dq, "k": dk}
 
 
+def _rounded_operand(d: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What rounding ``d`` ``[M, N]`` to ``dtype`` before the products ``d · w`` (``w``: ``[N, K]``)
+    and ``dᵀ · x`` (``x``: ``[M, K]``) and the column sums ``Σ_i d_ij`` moves those three by.
+
+    Each element of ``d`` carries up to ``u · |d|`` (u the unit roundoff of ``dtype``), a rounding
+    of standard deviation at most ``u · |d| / √3``; a sum of such terms moves by at most the sum of
+    their bounds and, their signs independent, by three standard deviations of the sum at most
+    ``√3 · u · ‖terms‖₂``: the smaller of the two. Far beyond a bound relative to the result where
+    its terms nearly cancel (the column sum of a few rows), a small part of it elsewhere."""
+    e = torch.finfo(dtype).eps / 2 * d.abs()
+
+    def summed(bounds: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        # a sum of roundings: the sum of their bounds, or three deviations if that is less
+        return torch.minimum(bounds, math.sqrt(3) * squares.sqrt())
+
+    return (summed(e @ w.abs(), e.square() @ w.square()), summed(e.T @ x.abs(), e.square().T @ x.square()),
+            summed(e.sum(0), e.square().sum(0)))
+
+
 def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Linear's `RoundingAllowance`: what rounding ``dpre = dy ⊙ act'(pre)`` to the inputs'
     ``dtype`` (the operand of the products ``dx = dpre · weight`` and ``dweight = dpreᵀ · x`` in
-    that dtype, and of dbias's sum) moves the gradients by (`kpt.tolerance`).
-
-    Each ``dpre`` element carries up to ``u · |dpre|`` (u the unit roundoff of ``dtype``), a
-    rounding of standard deviation at most ``u · |dpre| / √3``; a sum of such terms moves by at most
-    the sum of their bounds and, their signs independent, by three standard deviations of the sum
-    at most ``√3 · u · ‖terms‖₂``: the smaller of the two is allowed, for ``dbias_j`` (terms
-    ``dpre_ij``), ``dx_ik`` (``dpre_ij · weight_jk``) and ``dweight_jk`` (``dpre_ij · x_ik``) — far
-    beyond a bound relative to the result where its terms nearly cancel (dbias of a few rows), a
-    small part of it elsewhere.
+    that dtype, and of dbias's sum) moves the gradients by (`kpt.tolerance`), bounded as
+    `_rounded_operand` does.
 
     Float64 from the oracle's checked arguments (x, weight, bias, activation) and ``{"dy": dy}``."""
     x, w = (_finite(t.detach().to(torch.float64)) for t in (rows(args["x"]), args["weight"]))
@@ -409,16 +423,28 @@ def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
     bias, activation = args["bias"], args["activation"]
     pre = x @ w.T + (0.0 if bias is None else _finite(bias.detach().to(torch.float64)))
     dpre = dy if activation is None else _finite(dy * linear_activation_grad(activation)(pre))
-    e = torch.finfo(dtype).eps / 2 * dpre.abs()
-
-    def summed(bounds: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
-        # a sum of roundings: the sum of their bounds, or three deviations if that is less
-        return torch.minimum(bounds, math.sqrt(3) * squares.sqrt())
-
-    dx = summed(e @ w.abs(), e.square() @ w.square())
-    dw = summed(e.T @ x.abs(), e.square().T @ x.square())
-    db = summed(e.sum(0), e.square().sum(0))
+    dx, dw, db = _rounded_operand(dpre, x, w, dtype)
     allowance = {"x": dx.reshape(args["x"].shape), "weight": dw}
+    return allowance if bias is None else {**allowance, "bias": db}
+
+
+def linear_cross_entropy_rounded_dz(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """linear_cross_entropy's `RoundingAllowance`: what rounding the logits' gradient
+    ``dz = g · (softmax(z) − onehot)`` to the inputs' ``dtype`` (the operand of the products
+    ``dhidden = dz · weight`` and ``dweight = dzᵀ · hidden`` in that dtype, and of dbias's sum, as
+    linear's ``dpre``) moves the gradients by, bounded as `_rounded_operand` does.
+
+    Float64 from the oracle's checked arguments (hidden, weight, target, bias, ignore_index,
+    reduction) and ``{"dloss": dloss}``."""
+    h, w = (_finite(args[n].detach().to(torch.float64)) for n in ("hidden", "weight"))
+    bias, target, ignore_index = args["bias"], args["target"].to(h.device), args["ignore_index"]
+    z = h @ w.T + (0.0 if bias is None else _finite(bias.detach().to(torch.float64)))
+    kept = target != ignore_index
+    row_grad = _finite(row_grads(upstream["dloss"].detach().to(h.device), target, ignore_index, args["reduction"],
+                                 torch.float64))
+    dz = _finite(dlogits(z, target, torch.logsumexp(z, -1), 0.0, row_grad, kept))
+    dh, dw, db = _rounded_operand(dz, torch.where(kept[:, None], h, 0.0), w, dtype)
+    allowance = {"hidden": dh, "weight": dw}
     return allowance if bias is None else {**allowance, "bias": db}
 
 
@@ -523,10 +549,10 @@ and the dtype under test, it returns float64 allowances by input name."""
 
 ROUNDING_ALLOWANCES: dict[str, RoundingAllowance] = {
     "attention": attention_rounded_o, "linear": linear_rounded_dpre, "add_rms_norm": add_rms_norm_rounded_h,
-    "softmax": softmax_rounded_y}
+    "softmax": softmax_rounded_y, "linear_cross_entropy": linear_cross_entropy_rounded_dz}
 """The kernels whose gradients `check_backward` allows a contract-permitted rounding, and its bound:
 attention's row sums from a rounded ``o``, linear's rounded ``dpre``, add_rms_norm's rounded ``h``,
-softmax's rounded ``y``."""
+softmax's rounded ``y``, linear_cross_entropy's rounded ``dz``."""
 
 KINKS: dict[str, Callable[[Args, Args, Args, torch.dtype], dict[str, torch.Tensor]]] = {
     "linear": linear_relu_kernel_side}

@@ -26,7 +26,9 @@ Roundings the contract permits are allowed per element besides, as their bound
 attention's backward may take ``rowsum(p ⊙ dp)`` as ``rowsum(dO ⊙ o)`` from ``o`` in the inputs'
 dtype (as FlashAttention does), which moves dq and dk (`kpt.testing.attention_rounded_o`);
 linear's backward may round ``dpre = dy ⊙ act'(pre)`` to the inputs' dtype (the operand of its
-products, as eager does), which moves dx, dweight and dbias (`kpt.testing.linear_rounded_dpre`);
+products, as eager does), which moves dx, dweight and dbias (`kpt.testing.linear_rounded_dpre`),
+and linear_cross_entropy's backward may round its logits' gradient ``dz`` the same way
+(`kpt.testing.linear_cross_entropy_rounded_dz`);
 add_rms_norm normalizes ``h = x + residual`` rounded to the inputs' dtype (to either neighbour of
 the exact sum), which moves dx and dresidual (`kpt.testing.add_rms_norm_rounded_h`); softmax's
 backward takes ``y`` in the inputs' dtype (the saved output), whose rounded probabilities need not

@@ -150,7 +150,7 @@ def _one_hot(target: Tensor, classes: int) -> Tensor:
     return torch.arange(classes, device=target.device) == target[:, None]
 
 
-def _dlogits(z: Tensor, target: Tensor, lse: Tensor, label_smoothing: float, row_grad: Tensor,
+def dlogits(z: Tensor, target: Tensor, lse: Tensor, label_smoothing: float, row_grad: Tensor,
              kept: Tensor) -> Tensor:
     """``row_grad[:, None] · (softmax(z) − (1 − ε) onehot − ε / V)`` on the ``kept`` rows, 0 on the
     ignored ones (selected: an inf or NaN logit of an ignored row reaches nothing)."""
@@ -173,7 +173,7 @@ def _reduce(losses: Tensor, target: Tensor, ignore_index: int, reduction: str) -
     return total if reduction == "sum" else total / _kept(target, ignore_index)
 
 
-def _row_grads(dloss: Tensor, target: Tensor, ignore_index: int, reduction: str, ct: torch.dtype) -> Tensor:
+def row_grads(dloss: Tensor, target: Tensor, ignore_index: int, reduction: str, ct: torch.dtype) -> Tensor:
     """The gradient reaching each row's loss: ``[N]`` in ``ct``, 0 on ignored rows."""
     g = dloss.to(ct)
     if reduction == "mean":
@@ -184,7 +184,7 @@ def _row_grads(dloss: Tensor, target: Tensor, ignore_index: int, reduction: str,
 def _unit_grads(target: Tensor, ignore_index: int, reduction: str, ct: torch.dtype) -> Tensor:
     """The gradient reaching each row's loss for an upstream gradient of 1 (one per row for "none")."""
     one = torch.ones(target.shape if reduction == "none" else (), dtype=ct, device=target.device)
-    return _row_grads(one, target, ignore_index, reduction, ct)
+    return row_grads(one, target, ignore_index, reduction, ct)
 
 
 def cross_entropy_forward(
@@ -200,7 +200,7 @@ def cross_entropy_forward(
     if not needs_grad:
         return loss, logits.new_empty(0)
     row_grad = _unit_grads(target, ignore_index, reduction, z.dtype)
-    return loss, _dlogits(z, target, lse, label_smoothing, row_grad, target != ignore_index).to(logits.dtype)
+    return loss, dlogits(z, target, lse, label_smoothing, row_grad, target != ignore_index).to(logits.dtype)
 
 
 def cross_entropy_backward(
@@ -242,7 +242,7 @@ def _chunked(
         if row_grad is not None:
             # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
             kept = (target[r] != ignore_index)[:, None]
-            dz = _dlogits(z, target[r], lse_r, 0.0, row_grad[r], kept[:, 0])
+            dz = dlogits(z, target[r], lse_r, 0.0, row_grad[r], kept[:, 0])
             dhs.append(torch.where(kept, dz @ w, 0.0))
             dw = dw + dz.T @ torch.where(kept, h, 0.0)
             if b is not None:
@@ -290,7 +290,7 @@ def linear_cross_entropy_backward(
     if needs_grad and reduction != "none":
         g = dloss.to(ct)
         return _grads_out(hidden, weight, bias, dhidden.to(ct) * g, dweight.to(ct) * g, dbias.to(ct) * g)
-    row_grad = _row_grads(dloss, target, ignore_index, reduction, ct)
+    row_grad = row_grads(dloss, target, ignore_index, reduction, ct)
     _, _, grads = _chunked(hidden, weight, bias, target, ignore_index, row_grad, lse)
     return _grads_out(hidden, weight, bias, *grads)
 
