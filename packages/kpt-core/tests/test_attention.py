@@ -121,6 +121,26 @@ def test_no_keys_gives_zeros() -> None:
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == v.shape
 
 
+def test_tied_scores_of_huge_magnitude_share_the_weight() -> None:
+    # two keys holding bfloat16's max give tied scores of about 2e36, where log Σ exp(s − m) = log 2
+    # is lost in lse: exp(s − lse) gave each weight 1 (the output twice the mean of their values)
+    big = torch.finfo(torch.bfloat16).max
+    q = torch.zeros(1, 1, 1, 16, dtype=torch.float64)
+    q[..., 0] = -0.25
+    k = torch.randn(1, 1, 4, 16, dtype=torch.float64)
+    k[0, 0, 1, 0] = k[0, 0, 3, 0] = -big
+    k[0, 0, 1, 1:] = k[0, 0, 3, 1:] = 0.0
+    v = torch.randn(1, 1, 4, 16, dtype=torch.float64)
+    out = REF.attention(q, k, v, scale=0.5)
+    torch.testing.assert_close(out[0, 0, 0], (v[0, 0, 1] + v[0, 0, 3]) / 2, rtol=1e-12, atol=0.0)
+    # gradients from the same probabilities: Σ_j p_j = 1, so dv sums to dO over the keys
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    do = torch.randn(1, 1, 1, 16, dtype=torch.float64)
+    dv = torch.autograd.grad(REF.attention(q, k, v, scale=0.5), v, do)[0]
+    torch.testing.assert_close(dv.sum(2), do[0], rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(dv[0, 0, 1], do[0, 0, 0] / 2, rtol=1e-12, atol=0.0)
+
+
 @pytest.mark.parametrize("shape", [(0, 4, 2, 8, 8, 16), (2, 4, 2, 0, 8, 16)], ids=["batch", "queries"])
 def test_zero_size_inputs(shape: tuple[int, ...]) -> None:
     q, k, v = (t.requires_grad_(True) for t in _qkv(*shape))

@@ -343,7 +343,7 @@ def attention_hidden_pairs_add_nothing(args: Args, upstream: Args) -> dict[str, 
     visible = visible_keys(sq, skv, args["causal"], q.device)
     # q·kᵀ and dO·vᵀ hold one product per pair: a hidden pair's is selected away before any sum
     s = torch.where(visible, (qg @ kg.mT) * args["scale"], -math.inf)
-    p = torch.where(visible, probabilities(s, torch.logsumexp(s, -1)), 0.0)
+    p = torch.where(visible, probabilities(s), 0.0)
     dp = torch.where(visible, dog @ vg.mT, 0.0)
     delta = torch.where(visible, p * dp, 0.0).sum(-1, keepdim=True)
     ds = torch.where(visible, p * (dp - delta), 0.0)
@@ -379,7 +379,7 @@ def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
         grouped = (batch, hkv, hq // hkv, sq, d)
         qg, dog, kg, vg = (_finite(t) for t in (q.reshape(grouped), do.reshape(grouped), k[:, :, None], v[:, :, None]))
         s = torch.where(visible_keys(sq, skv, args["causal"], q.device), (qg @ kg.mT) * scale, -math.inf)
-        p = _finite(probabilities(s, torch.logsumexp(s, -1)))
+        p = _finite(probabilities(s))
         eps = u * torch.linalg.vector_norm(dog * ((p @ vg).abs() + p @ vg.abs()), dim=-1, keepdim=True)
         dq = scale * eps * (p @ kg).abs()
         dk = scale * ((p * eps).square().mT @ qg.square()).sum(2).sqrt()

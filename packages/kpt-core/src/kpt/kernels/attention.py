@@ -4,7 +4,8 @@ Query head h reads key/value head h // G, G = Hq / Hkv. For one (batch, query he
 
     s   = q · kᵀ · scale                     [Sq, Skv]; causal: s[i, j] = −∞ unless j ≤ i + Skv − Sq
     lse = log Σ_j exp(s[:, j])               (natural log; −∞ for a query that sees no key)
-    p   = exp(s − lse)                       (0 for a query that sees no key)
+    p   = exp(s − lse)                       (0 for a query that sees no key; computed normalized,
+                                              `probabilities`)
     o   = p · v
 
 Backward, with dO the gradient of o:
@@ -95,10 +96,20 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, T
     return s, qg, kg
 
 
-def probabilities(s: Tensor, lse: Tensor) -> Tensor:
-    """``p = exp(s − lse)`` for scores ``s`` and their rows' log-sum-exp ``lse`` (one dimension
-    fewer). A query that sees no key has lse = −∞; the clamp turns its −∞ − (−∞) into exp(−∞) = 0."""
-    return torch.exp(s - lse.clamp(min=torch.finfo(lse.dtype).min)[..., None])
+def probabilities(s: Tensor) -> Tensor:
+    """``p = exp(s − m) / Σ exp(s − m)`` along the last dimension of the scores ``s``, ``m`` each
+    row's maximum: ``exp(s − lse)`` normalized.
+
+    Normalized at any magnitude, where ``exp(s − lse)`` is not: at scores of 2e36 (a key holding
+    bfloat16's max) ``lse = m + log Σ exp(s − m)`` loses the log, and two tied keys would each get
+    1. Where the maximum is finite, a row's sum is at least 1 (the maximum's term). The other rows
+    come out as ``exp(s − lse)`` has them: a query that sees no key (a row of −∞) gets 0, a row
+    holding +inf gets NaN at the +inf and 0 elsewhere (its sum, without the NaN, is 0), and a row
+    holding NaN gets NaN throughout."""
+    if s.shape[-1] == 0:  # no keys: nothing to normalize (and no maximum)
+        return s
+    e = torch.exp(s - s.amax(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).min))
+    return e / torch.nansum(e, -1, keepdim=True).clamp(min=1.0)
 
 
 SCORES_PER_CHUNK = 1 << 27
@@ -131,7 +142,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
     def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         s, _, _ = _scores(q, k, causal, scale)
         lse = torch.logsumexp(s, -1)
-        o = probabilities(s, lse) @ v.to(s.dtype)[:, :, None]
+        o = probabilities(s) @ v.to(s.dtype)[:, :, None]
         return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
 
     return by_chunks(forward, q, k, per_key=(v,))
@@ -140,11 +151,12 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
 def attention_backward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, o: Tensor, lse: Tensor, do: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v``."""
+    """Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v``. p is recomputed from
+    the scores (`probabilities`), not from the saved ``lse``, which the reference does not read."""
 
-    def backward(q: Tensor, k: Tensor, lse: Tensor, do: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(q: Tensor, k: Tensor, do: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, qg, kg = _scores(q, k, causal, scale)
-        p = probabilities(s, lse.reshape(s.shape[:-1]))
+        p = probabilities(s)
         dog = do.to(s.dtype).reshape(qg.shape)
         vg = v.to(s.dtype)[:, :, None]
         dv = (p.transpose(-1, -2) @ dog).sum(2)
@@ -154,7 +166,7 @@ def attention_backward(
         dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
         return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    return by_chunks(backward, q, k, lse, do, per_key=(v,))
+    return by_chunks(backward, q, k, do, per_key=(v,))
 
 
 def visible_pairs(sq: int, skv: int, causal: bool) -> int:
