@@ -295,6 +295,12 @@ def test_linear_relu_takes_its_forwards_side_of_the_kink() -> None:
     assert not compare("dx", got["x"], either(got["x"], exact["x"], alt["x"]), tol).ok
 
 
+def _bfloat16_towards_zero(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float64) rounded to bfloat16 by truncation, as Triton's interpreter converts (GPUs
+    round to nearest), back in float64."""
+    return (t.float().view(torch.int32) & ~0xFFFF).view(torch.float32).double()
+
+
 def test_add_rms_norm_may_round_h_to_either_neighbour() -> None:
     # rows of one element: dx = eps · rstd³ · w · dy + dh, where the two terms nearly cancel the
     # rounding of h = x + residual to bfloat16 (to nearest, as GPUs do, or towards zero, as
@@ -317,7 +323,7 @@ def test_add_rms_norm_may_round_h_to_either_neighbour() -> None:
         allowance = add_rms_norm_rounded_h({"x": x, "residual": residual, "weight": w, "eps": 1.0},
                                            {"dy": dy, "dh": dh}, torch.bfloat16)
         nearest = exact.bfloat16().double()
-        towards_zero = (exact.float().view(torch.int32) & ~0xFFFF).view(torch.float32).double()
+        towards_zero = _bfloat16_towards_zero(exact)
         for h in (nearest, towards_zero):
             assert compare("dx", dx(h, w, dy, dh), dx(exact, w, dy, dh), tol, allowance["x"]).ok, seed
             beyond_the_table += not compare("dx", dx(h, w, dy, dh), dx(exact, w, dy, dh), tol).ok
@@ -351,7 +357,7 @@ def test_softmax_may_take_its_gradient_from_a_rounded_y() -> None:
         allowance = softmax_rounded_y({"x": x, "dim": 1}, {"dy": dy}, torch.bfloat16)["x"]
         exact = torch.softmax(x, -1)
         nearest = exact.bfloat16().double()
-        towards_zero = (exact.float().view(torch.int32) & ~0xFFFF).view(torch.float32).double()
+        towards_zero = _bfloat16_towards_zero(exact)
         for y in (nearest, towards_zero):
             assert compare("dx", dx(y, dy), dx(exact, dy), tol, allowance).ok, seed
             beyond_the_table += not compare("dx", dx(y, dy), dx(exact, dy), tol).ok
@@ -382,7 +388,7 @@ def test_linear_cross_entropy_may_round_dz_before_dbias_sum() -> None:
         allowance = linear_cross_entropy_rounded_dz(args, {"dloss": dloss}, torch.bfloat16)["bias"]
         z = h @ w.T + bias
         dz = dlogits(z, target, torch.logsumexp(z, -1), 0.0, dloss, torch.ones(2, dtype=torch.bool))
-        towards_zero = (dz.float().view(torch.int32) & ~0xFFFF).view(torch.float32).double()
+        towards_zero = _bfloat16_towards_zero(dz)
         for rounded in (dz.bfloat16().double(), towards_zero):
             assert compare("dbias", rounded.sum(0), dz.sum(0), tol, allowance).ok, seed
             beyond_the_table += not compare("dbias", rounded.sum(0), dz.sum(0), tol).ok
