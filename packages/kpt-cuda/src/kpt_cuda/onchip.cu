@@ -202,6 +202,31 @@ struct Span {
     }
 };
 
+// Vector k of this thread's part of a row (its `k * THREADS + tid`-th, where the row has it and
+// `load` holds) into its register or, for k >= REG_VECS, its shared-memory slot by cp.async. Each
+// shared-memory vector closes one cp.async group, even an empty one, so that a thread's i-th group
+// is always its i-th slot's.
+template <int THREADS, int REG_VECS>
+__device__ __forceinline__ void load_vector(int k, uint4 (&reg)[REG_VECS > 0 ? REG_VECS : 1], uint4* slots,
+                                            const uint4* vectors, int nvec, bool load) {
+    const int j = k * THREADS + threadIdx.x;
+    if (load && j < nvec) {
+        if (k < REG_VECS) reg[k] = vectors[j];
+        else cp_async16(&slots[(k - REG_VECS) * THREADS + threadIdx.x], vectors + j);
+    }
+    if (k >= REG_VECS) cp_async_commit();
+}
+
+// A block's first row, first vector to last, and this thread's element of its head or tail.
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool EDGES>
+__device__ __forceinline__ void load_first_row(uint4 (&reg)[REG_VECS > 0 ? REG_VECS : 1], uint4* slots, float& edge,
+                                               const Span<Elem<KIND>::EL, EDGES>& span, const void* base) {
+    const uint4* vectors = span.vectors(base);
+#pragma unroll
+    for (int k = 0; k < REG_VECS + SMEM_VECS; ++k) load_vector<THREADS, REG_VECS>(k, reg, slots, vectors, span.nvec, true);
+    if (threadIdx.x < span.edges) edge = Elem<KIND>::scalar(base, span.offset + span.edge_column(threadIdx.x));
+}
+
 // Adds N logits to a thread's running maximum m, its sum s of exp(z - m) (rescaled whenever m
 // grows) and, for label smoothing, its sum of z. Exponents are taken of differences,
 // (z - m) * log2(e), never of z * log2(e): that overflows for |z| > 2.4e38.
@@ -250,18 +275,7 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
     if (row >= n) return;
     Span<EL, EDGES> span = Span<EL, EDGES>::at(row * stride_zn, v);
 
-    // the first row's loads
-    const uint4* first = span.vectors(z);
-#pragma unroll
-    for (int k = 0; k < VECS; ++k) {
-        const int j = k * THREADS + tid;
-        if (j < span.nvec) {
-            if (k < REG_VECS) reg[k] = first[j];
-            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], first + j);
-        }
-        if (k >= REG_VECS) cp_async_commit();  // one group per shared-memory vector, even if empty
-    }
-    if (tid < span.edges) edge = E::scalar(z, span.offset + span.edge_column(tid));
+    load_first_row<KIND, THREADS, REG_VECS, SMEM_VECS>(reg, slots, edge, span, z);
 
     for (; row < n; row += gridDim.x) {
         const long long t = LOSS ? target[row] : -1;  // softmax: no column is a target
@@ -322,11 +336,7 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
                 for (int i = 0; i < EL; ++i) f[i] = grad_of(f[i], col + i == t, kept, lse, g, off, hit);
                 store_streaming(dz_vectors + j, E::pack(f));
             }
-            if (next < n && j < after.nvec) {
-                if (k < REG_VECS) reg[k] = next_vectors[j];
-                else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], next_vectors + j);
-            }
-            if (k >= REG_VECS) cp_async_commit();
+            load_vector<THREADS, REG_VECS>(k, reg, slots, next_vectors, after.nvec, next < n);
         }
         if (tid < span.edges) {
             const int c = span.edge_column(tid);
@@ -390,11 +400,7 @@ __device__ __forceinline__ void softmax_bwd_row(uint4 (&reg)[REG_VECS > 0 ? REG_
             for (int i = 0; i < EL; ++i) fy[i] *= fd[i] - dot;
             store_streaming(dx_vectors + j, E::pack(fy));
         }
-        if (next < n && j < after.nvec) {
-            if (k < REG_VECS) reg[k] = next_vectors[j];
-            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], next_vectors + j);
-        }
-        if (k >= REG_VECS) cp_async_commit();
+        load_vector<THREADS, REG_VECS>(k, reg, slots, next_vectors, after.nvec, next < n);
     }
     if (tid < span.edges) E::store(dx, dx_offset + span.edge_column(tid), edge * (dy_edge - dot));
     if (next < n && tid < after.edges) edge = E::scalar(y, after.offset + after.edge_column(tid));
@@ -407,13 +413,10 @@ template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool EDGES>
 __global__ void __launch_bounds__(THREADS, 1)
 softmax_bwd_onchip(const void* __restrict__ y, const void* __restrict__ dy, void* __restrict__ dx, long long n,
                    long long stride_yn, long long stride_dyn, int v) {
-    using E = Elem<KIND>;
-    constexpr int EL = E::EL;
-    constexpr int VECS = REG_VECS + SMEM_VECS;
+    constexpr int EL = Elem<KIND>::EL;
     extern __shared__ uint4 slots[];  // [SMEM_VECS][THREADS]
     __shared__ float scratch[2][THREADS / 32];  // alternate rows' sums: one reduction a row, no barrier between
 
-    const int tid = threadIdx.x;
     uint4 reg[REG_VECS > 0 ? REG_VECS : 1];
     float edge = 0.f;  // this thread's element of y's head or tail, where it has one
 
@@ -421,18 +424,7 @@ softmax_bwd_onchip(const void* __restrict__ y, const void* __restrict__ dy, void
     if (row >= n) return;
     Span<EL, EDGES> span = Span<EL, EDGES>::at(row * stride_yn, v);
 
-    // the first row of y, first to last
-    const uint4* first = span.vectors(y);
-#pragma unroll
-    for (int k = 0; k < VECS; ++k) {
-        const int j = k * THREADS + tid;
-        if (j < span.nvec) {
-            if (k < REG_VECS) reg[k] = first[j];
-            else cp_async16(&slots[(k - REG_VECS) * THREADS + tid], first + j);
-        }
-        if (k >= REG_VECS) cp_async_commit();
-    }
-    if (tid < span.edges) edge = E::scalar(y, span.offset + span.edge_column(tid));
+    load_first_row<KIND, THREADS, REG_VECS, SMEM_VECS>(reg, slots, edge, span, y);
 
     for (int parity = 0; row < n; row += gridDim.x, parity ^= 1) {
         if (parity)
