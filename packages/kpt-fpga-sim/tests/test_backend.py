@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -10,7 +12,13 @@ import kpt_fpga_sim
 from kpt.ops import as_tuple
 from kpt.testing import check_backward, check_forward, compare, to_oracle, tolerance_for
 from kpt_fpga_sim import FpgaSimBackend, ap_fixed, configure
-from kpt_fpga_sim.backend import ROUNDINGS, data_scale
+from kpt_fpga_sim.backend import (
+    NORMALIZATION_FLOOR_AT_MOST,
+    ROUNDINGS,
+    data_scale,
+    fixed_tolerance,
+    normalization_gain,
+)
 from kpt_fpga_sim.config import from_environment
 
 FIXED = ap_fixed(16, 6, "RND", "SAT")
@@ -174,6 +182,69 @@ def test_probabilities_count_at_unit_scale(fx) -> None:
     assert grad.abs_floor == pytest.approx(r * (1 + n * 2.0))
     silu = fx.call_tolerance("silu", torch.float32, {"x": logits}, "y")
     assert silu.abs_floor == pytest.approx(r * (1 + ROUNDINGS["silu"] * 8.0))
+
+
+def _add_rms_norm(fx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """The arguments of an add_rms_norm call, fx's y for them, the oracle's y, and y's tolerance."""
+    args = {"x": x, "residual": residual, "weight": weight, "eps": 1e-6}
+    y, _ = fx.add_rms_norm(**args)
+    ref, _ = kpt.get_backend("reference").add_rms_norm(**{k: to_oracle(v) for k, v in args.items()})
+    return args, y, ref, tolerance_for(fx, "add_rms_norm", torch.float32, y, args=args, output="y")
+
+
+def test_a_normalizations_floor_covers_a_row_that_nearly_cancels(fx) -> None:
+    """A fuzzed add_rms_norm call (seed 1440464999): x + residual cancels to h = [-0.0293, -0.0082],
+    rms 0.02; the format's step rounds h by up to r, which y / weight amplifies by 1/rms to 2-5%.
+    At the data's scale (`data_scale`) y is allowed 4x too little; at the row's gain it passes."""
+    x = torch.tensor([[0.7, -1.2], [1.5, 0.4], [0.5012, 0.3001]])
+    residual = torch.tensor([[0.9, 0.3], [-0.6, 1.1], [-0.5305, -0.3083]])
+    args, y, ref, tol = _add_rms_norm(fx, x, residual, torch.tensor([-1.25, -1.5]))
+    gain = normalization_gain("add_rms_norm", args)
+    assert gain == pytest.approx(1.5 / math.sqrt((0.0293**2 + 0.0082**2) / 2 + 1e-6), rel=1e-3)
+    assert tol.abs_floor == pytest.approx(FIXED.lsb / 2 * (1 + ROUNDINGS["add_rms_norm"] * gain))
+    assert compare("y", y, ref, tol).ok
+    at_data_scale = fixed_tolerance("add_rms_norm", FIXED, scale=data_scale(FIXED, args))
+    assert not compare("y", y, ref, at_data_scale).ok
+
+
+def test_a_normalizations_floor_is_no_license_on_rows_of_unit_scale(fx) -> None:
+    """Rows of unit scale amplify nothing: y's tolerance is the one at the data's scale, and a y
+    10% off fails."""
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(8, 64, generator=g) for _ in range(2))
+    args, y, ref, tol = _add_rms_norm(fx, x, residual, 1 + 0.1 * torch.randn(64, generator=g))
+    assert tol == fixed_tolerance("add_rms_norm", FIXED, scale=data_scale(FIXED, args))
+    assert compare("y", y, ref, tol).ok
+    assert not compare("y", y * 1.1, ref, tol).ok
+
+
+def test_normalization_gain_is_the_weight_over_the_smallest_row_scale(fx) -> None:
+    """rms_norm divides by the rms of x, layer_norm by the std of x's row (its mean taken out),
+    both with eps; without a weight, by 1. Only y is normalized: h (add_rms_norm) is not."""
+    x = torch.tensor([[1.0, 1.02], [3.0, -3.0]])
+    smallest_rms = math.sqrt((1 + 1.02**2) / 2 + 1e-6)
+    assert normalization_gain("rms_norm", {"x": x, "eps": 1e-6}) == pytest.approx(1 / smallest_rms)
+    layer = {"x": torch.tensor([[1.0, 1.05], [3.0, -3.0]]), "weight": torch.tensor([2.0, -4.0]), "eps": 1e-5}
+    gain = 4 / math.sqrt(0.025**2 + 1e-5)
+    assert normalization_gain("layer_norm", layer) == pytest.approx(gain)
+    assert fx.call_tolerance("layer_norm", torch.float32, layer, "y").abs_floor == pytest.approx(
+        FIXED.lsb / 2 * (1 + ROUNDINGS["layer_norm"] * gain))
+    cancelling = {"x": x, "residual": -x, "eps": 1e-6}
+    assert fx.call_tolerance("add_rms_norm", torch.float32, cancelling, "h") == fixed_tolerance(
+        "add_rms_norm", FIXED, scale=3.0)
+
+
+def test_no_normalization_floor_that_would_reach_the_outputs_scale(fx) -> None:
+    """A row of σ ≤ 4 · roundings · r (here x + residual = 0: σ = √eps) would get a floor above a
+    quarter of max|w|, y's own scale, which a y that far off would pass: there y keeps the
+    tolerance at the data's scale."""
+    x = torch.tensor([[0.25, -0.5], [1.0, 2.0]])
+    args = {"x": x, "residual": torch.tensor([[-0.25, 0.5], [0.5, -1.0]]), "weight": torch.ones(2), "eps": 1e-6}
+    cutoff = ROUNDINGS["add_rms_norm"] * FIXED.lsb / 2 / NORMALIZATION_FLOOR_AT_MOST
+    assert normalization_gain("add_rms_norm", args) == pytest.approx(1e3)
+    assert normalization_gain("add_rms_norm", args, min_sigma=cutoff) == 0.0
+    assert fx.call_tolerance("add_rms_norm", torch.float32, args, "y") == fixed_tolerance(
+        "add_rms_norm", FIXED, scale=data_scale(FIXED, args))
 
 
 @pytest.mark.parametrize("kernel, case", [("rope", "llama_gqa"), ("silu", "wide")])

@@ -24,6 +24,7 @@ import torch
 
 from kpt import SPECIAL_VALUES, Backend, Kernel, PerfBar, Tolerance, default_tolerance, kernels_from
 from kpt.kernels import SPECS
+from kpt.spec import rows
 
 from . import kernels as kernel_modules
 from .config import SimConfig, from_environment, make_config
@@ -165,7 +166,8 @@ class FpgaSimBackend(Backend):
         computed through a weight of fan-in K is allowed that weight's quantization error,
         `weight_roundings` (K), where it exceeds the kernel's ``ROUNDINGS``; and every output is
         allowed those roundings at the scale of the call's data as an absolute error
-        (`data_scale`), however small the output itself turns out."""
+        (`data_scale`), however small the output itself turns out; a normalization's ``y`` at the
+        scale its rows amplify them to (`normalization_gain`) where that is larger."""
         fmt = self._fixed_format(kernel)
         if fmt is None:
             return None
@@ -173,7 +175,11 @@ class FpgaSimBackend(Backend):
         through = FAN_IN_WEIGHTS.get(kernel)
         if through is not None and output in through[1]:
             roundings = max(roundings, weight_roundings(args[through[0]].shape[-1]))
-        return fixed_tolerance(kernel, fmt, roundings, data_scale(fmt, args, PROBABILITY_INPUTS.get(kernel, ())))
+        scale = data_scale(fmt, args, PROBABILITY_INPUTS.get(kernel, ()))
+        if scale is not None and kernel in NORMALIZATIONS and output == "y":
+            min_sigma = roundings * rounding(fmt) / NORMALIZATION_FLOOR_AT_MOST
+            scale = max(scale, normalization_gain(kernel, args, min_sigma))
+        return fixed_tolerance(kernel, fmt, roundings, scale)
 
     def perf_bar(self, kernel: str, mode: str) -> PerfBar:
         """Simulation speed against the reference backend on the conformance shapes: measured and
@@ -245,18 +251,64 @@ def data_scale(fmt: ApFixed, args: Mapping[str, Any], probabilities: tuple[str, 
     return largest if largest >= fmt.lsb else None
 
 
+NORMALIZATIONS = ("rms_norm", "add_rms_norm", "layer_norm")
+"""The kernels whose output ``y`` divides each row by its own scale (`normalization_gain`)."""
+
+NORMALIZATION_FLOOR_AT_MOST = 0.25
+"""The largest absolute floor a normalization's gain may give its ``y``, as a fraction of max|w|
+(the scale of y): a y a quarter of its scale off still fails. Rows of smaller σ keep the floor at
+the data's scale and remain the format's failures (the conformance cases ``tiny`` and
+``eps_comparable``, whose σ of 0.001 to 0.004 is a few LSB of ap_fixed<16,6>)."""
+
+
+def normalization_gain(kernel: str, args: Mapping[str, Any], min_sigma: float = 0.0) -> float:
+    """How much a normalization's ``y`` moves per unit change of an element of its input, at most:
+    max|weight| / σ of the call's smallest row (in float64, from the call's arguments).
+
+    Each row h is normalized by its own scale σ = √(mean(h²) + eps), y = h / σ · weight, where
+    h = x (rms_norm), x + residual (add_rms_norm) or x − mean(x) (layer_norm, σ its std). A
+    rounding of an element of h by r moves that element of y by r·|w|/σ, and moves σ by at most
+    r, which moves y by r·|y|/σ besides. `ROUNDINGS` counts such roundings for rows of unit scale
+    (σ ≈ 1); a row that nearly cancels (x + residual ≈ 0) amplifies each of them by 1/σ: at
+    σ = 0.02 the rounding of ap_fixed<16,6>'s h (r = 2^-11) moves y by 0.024·|w|, not 0.0005·|w|.
+    The tolerance is one per call, so its smallest row sets it.
+
+    0 for a call without elements, and where that row's σ is at most ``min_sigma``: the caller
+    passes the σ below which the floor would exceed `NORMALIZATION_FLOOR_AT_MOST` of max|w|, the
+    scale of y itself, and so would check little or nothing."""
+    bound = SPECS[kernel].bind((), dict(args))
+    h = rows(bound["x"].detach().to(torch.float64))
+    if kernel == "add_rms_norm":
+        h = h + rows(bound["residual"].detach().to(torch.float64))
+    if h.numel() == 0:
+        return 0.0
+    if kernel == "layer_norm":
+        h = h - h.mean(-1, keepdim=True)
+    sigma = float(torch.sqrt((h * h).mean(-1) + bound["eps"]).min())
+    if sigma <= min_sigma:
+        return 0.0
+    weight = bound["weight"]
+    return (1.0 if weight is None else float(weight.detach().abs().max())) / sigma
+
+
+def rounding(fmt: ApFixed) -> float:
+    """The largest error of one rounding to ``fmt``: ½ LSB where it rounds, 1 LSB where it truncates."""
+    return fmt.lsb / 2 if fmt.rounds else fmt.lsb
+
+
 def fixed_tolerance(kernel: str, fmt: ApFixed, roundings: float | None = None,
                     scale: float | None = None) -> Tolerance:
     """The conformance tolerance of fixed mode: ``roundings`` (default ``ROUNDINGS[kernel]``)
     roundings of r, as an absolute error on outputs of unit scale (so also relative to them).
 
-    With the scale S of the call's data (`data_scale`) it also states the absolute error those
-    roundings amount to, ``abs_floor`` = r · (1 + roundings · S): each rounding counted for
-    unit-scale data weighs at most the largest magnitude it is multiplied by, S, and the output's
-    own rounding weighs 1 whatever S is. So an output far below the data's scale (a lone small
-    value, a gradient times a small upstream gradient, a mean over many rows) is allowed the
-    error of the computation that produced it, not one relative to its own smallness."""
-    r = fmt.lsb / 2 if fmt.rounds else fmt.lsb
+    With the scale S of the call's data (`data_scale`; for a normalization's ``y``, its
+    `normalization_gain` where larger) it also states the absolute error those roundings amount
+    to, ``abs_floor`` = r · (1 + roundings · S): each rounding counted for unit-scale data weighs
+    at most the largest magnitude it is multiplied by, S, and the output's own rounding weighs 1
+    whatever S is. So an output far below the data's scale (a lone small value, a gradient times
+    a small upstream gradient, a mean over many rows) is allowed the error of the computation
+    that produced it, not one relative to its own smallness."""
+    r = rounding(fmt)
     n = ROUNDINGS[kernel] if roundings is None else roundings
     bound = n * r
     base = default_tolerance(torch.float32)
@@ -265,7 +317,7 @@ def fixed_tolerance(kernel: str, fmt: ApFixed, roundings: float | None = None,
         rel_norm=max(base.rel_norm, bound), atol=max(base.atol, bound), rtol=max(base.rtol, bound),
         reason=(f"{fmt}: {n:.3g} roundings of {r:g} ({'½ LSB' if fmt.rounds else '1 LSB'}, 1 LSB = 2^-{fmt.f}) "
                 f"reach an output of {kernel}, for outputs of unit scale"
-                + (f"; at least {floor:.3g} for data of scale {scale:.3g}" if floor else "")),
+                + (f"; at least {floor:.3g} for roundings weighing up to {scale:.3g}" if floor else "")),
         abs_floor=floor,
     )
 
