@@ -16,7 +16,7 @@ def gpu_us(run, calls=10):
             flush.zero_(); run()
         torch.cuda.synchronize()
     return sum(e.self_device_time_total for e in prof.key_averages() if "FillFunctor" not in e.key) / calls
-sources = {"v2": resources.files("kpt_cuda").joinpath("onchip.cu").read_text(), "v1": open(".gpu/onchip_v1.cu").read()}
+sources = {"v2": resources.files("kpt_cuda").joinpath("onchip.cu").read_text(), "v1": open("onchip_v1.cu").read()  # the first version, saved beside this probe}
 @functools.cache
 def kernel(version, name, smem_vecs, index):
     import cupy
