@@ -192,13 +192,17 @@ def test_report_gives_each_kernels_worst_ratio_against_its_best_peer() -> None:
     results[0].library = "n/a: Liger not installed"
     results[4].library, results[4].libraries = "SDPA cuDNN", {"SDPA cuDNN": 1.0, "SDPA flash": 1.5}
     results[4].errors = {"SDPA efficient": "RuntimeError: No available kernel."}
+    results[1].spread = {"backend": 0.031, "eager": 0.0, "compile": 0.012}
+    results[4].spread = {"backend": 0.02, "SDPA cuDNN": 0.05, "SDPA flash": 0.0}
     summary = benchmark.worst(results)
     assert summary["rms_norm"] | {"seconds": 0} == {"timings": 4, "wrong": 1, "ratio": 1.25, "case": "b",
-                                                    "mode": "fwd+bwd", "peer": "compile", "seconds": 0}
+                                                    "mode": "fwd+bwd", "peer": "compile", "spread": (0.031, 0.012),
+                                                    "seconds": 0}
     assert summary["attention"]["ratio"] == 0.5 and summary["attention"]["peer"] == "SDPA cuDNN"
+    assert summary["attention"]["spread"] == (0.02, 0.05)  # the best library's own spread
     text = benchmark.markdown(results, {"torch": "x"}, benchmark.Ceilings(3000.0, 700.0), title="T")
-    assert "| rms_norm | 4 | 1 | 0 | 1.25 | b | fwd+bwd | compile |" in text
-    assert "| attention | 1 | 0 | 0 | 0.50 | e | fwd | SDPA cuDNN |" in text
+    assert "| rms_norm | 4 | 1 | 0 | 1.25 | b | fwd+bwd | compile | 3.1% / 1.2% |" in text
+    assert "| attention | 1 | 0 | 0 | 0.50 | e | fwd | SDPA cuDNN | 2.0% / 5.0% |" in text
     assert ("| rms_norm | a | bfloat16 | fwd | 1.0000 | 4.0000 | 2.0000 | n/a: Liger not installed "
             "| 4.00 | 2.00 | – | 2.00 |") in text
     assert "| rms_norm | d | bfloat16 | fwd | WRONG: y: max error 1 |" in text
@@ -215,6 +219,7 @@ def test_measure_times_backend_and_eager_on_the_cpu() -> None:
     for r in results:
         assert not r.wrong and set(r.ms) == {"backend", "eager"} and r.seconds > 0
         assert r.nbytes >= 2 * 64 * 256 * 4 and r.flops > 0 and r.gbps > 0
+        assert r.spread == {"backend": 0.0, "eager": 0.0}  # one round on a CPU: no spread to report
 
 
 def test_a_failing_shape_is_recorded_and_the_sweep_goes_on() -> None:

@@ -232,6 +232,10 @@ class Measurement:
     """Wall time this measurement took (compiling included)."""
     skipped: str = ""
     """Why it was not measured (the sweep's time limit), where it was not."""
+    spread: dict[str, float] = field(default_factory=dict)
+    """Per implementation (backend, eager, compile, each library by name): how far its `ROUNDS`
+    timings lay apart, (slowest − fastest) / median; 0 from one round. A ratio nearer 1 than
+    these is within the run's own noise."""
 
     def speedup(self, other: str) -> float | None:
         """How many times faster the backend is than ``other`` (above 1: the backend wins)."""
@@ -490,6 +494,7 @@ def measure_args(backend: Backend, spec: KernelSpec, args: dict[str, Any], label
                 del runners[name]
     for name in runners:
         ms = statistics.median(samples[name])
+        result.spread[name] = (max(samples[name]) - min(samples[name])) / ms if ms > 0 else 0.0
         if name in found:
             result.libraries[name] = ms
         else:
@@ -709,11 +714,12 @@ def run_sweep(backend: Backend, points: list[Point], dtype: torch.dtype, ceiling
 
 def worst(results: Iterable[Measurement]) -> dict[str, dict[str, Any]]:
     """Per kernel: the shape and mode where it does worst against its best peer (the ratio: the
-    peer's time over the backend's), how many timings it had, and how many were wrong or failed."""
+    peer's time over the backend's, and ``spread``: the backend's and that peer's round spreads
+    there, `Measurement.spread`), how many timings it had, and how many were wrong or failed."""
     out: dict[str, dict[str, Any]] = {}
     for r in results:
         s = out.setdefault(r.kernel, {"timings": 0, "wrong": 0, "ratio": None, "case": "", "mode": "", "peer": "",
-                                      "seconds": 0.0})
+                                      "spread": None, "seconds": 0.0})
         s["timings"] += 1
         s["seconds"] += r.seconds
         if r.skipped:
@@ -724,8 +730,13 @@ def worst(results: Iterable[Measurement]) -> dict[str, dict[str, Any]]:
             continue
         best = r.best_peer()
         if best is not None and (s["ratio"] is None or best[1] < s["ratio"]):
-            s.update(ratio=best[1], case=r.case, mode=r.mode, peer=best[0])
+            spread = (r.spread["backend"], r.spread[best[0]]) if {"backend", best[0]} <= r.spread.keys() else None
+            s.update(ratio=best[1], case=r.case, mode=r.mode, peer=best[0], spread=spread)
     return out
+
+
+def _spread(value: tuple[float, float] | None) -> str:
+    return "–" if value is None else f"{value[0]:.1%} / {value[1]:.1%}"
 
 
 def _ms(r: Measurement, key: str) -> str:
@@ -772,11 +783,14 @@ def markdown(results: list[Measurement], env: dict[str, str], ceilings: Ceilings
     summary = worst(results)
     if summary:
         lines += ["| kernel | timings | wrong or failed | skipped | worst × best | at | mode | best peer there "
-                  "| seconds |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| round spread there, kpt / peer | seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
         for kernel, s in summary.items():
             lines.append(f"| {kernel} | {s['timings']} | {s['wrong']} | {s.get('skipped', 0)} | {_ratio(s['ratio'])} "
-                         f"| {s['case'] or '–'} | {s['mode'] or '–'} | {s['peer'] or '–'} | {s['seconds']:.0f} |")
-        lines.append("")
+                         f"| {s['case'] or '–'} | {s['mode'] or '–'} | {s['peer'] or '–'} | {_spread(s['spread'])} "
+                         f"| {s['seconds']:.0f} |")
+        lines += ["", "Round spread: how far an implementation's timings in the rounds that take turns lay "
+                  "apart, (slowest − fastest) / median; a worst ratio nearer 1 than it is within the run's noise.",
+                  ""]
     if host:
         lines += ["Host time of one forward call (µs, wall clock of back-to-back calls) at each kernel's "
                   "smallest shape; baselines: " + ", ".join(
