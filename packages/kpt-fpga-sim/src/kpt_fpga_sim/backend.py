@@ -24,7 +24,6 @@ import torch
 
 from kpt import SPECIAL_VALUES, Backend, Kernel, PerfBar, Tolerance, default_tolerance, kernels_from
 from kpt.kernels import SPECS
-from kpt.spec import rows
 
 from . import kernels as kernel_modules
 from .config import SimConfig, from_environment, make_config
@@ -276,19 +275,17 @@ def normalization_gain(kernel: str, args: Mapping[str, Any], min_sigma: float = 
     0 for a call without elements, and where that row's σ is at most ``min_sigma``: the caller
     passes the σ below which the floor would exceed `NORMALIZATION_FLOOR_AT_MOST` of max|w|, the
     scale of y itself, and so would check little or nothing."""
-    bound = SPECS[kernel].bind((), dict(args))
-    h = rows(bound["x"].detach().to(torch.float64))
-    if kernel == "add_rms_norm":
-        h = h + rows(bound["residual"].detach().to(torch.float64))
-    if h.numel() == 0:
+    spec = SPECS[kernel]
+    bound = {n: v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else v
+             for n, v in spec.bind((), dict(args)).items()}
+    if bound["x"].numel() == 0:
         return 0.0
-    if kernel == "layer_norm":
-        h = h - h.mean(-1, keepdim=True)
-    sigma = float(torch.sqrt((h * h).mean(-1) + bound["eps"]).min())
+    rstd = spec.forward(*spec.forward_values(bound, False))[-1]  # the contract's 1 / σ of each row
+    sigma = 1.0 / float(rstd.max())
     if sigma <= min_sigma:
         return 0.0
     weight = bound["weight"]
-    return (1.0 if weight is None else float(weight.detach().abs().max())) / sigma
+    return (1.0 if weight is None else float(weight.abs().max())) / sigma
 
 
 def rounding(fmt: ApFixed) -> float:
