@@ -27,8 +27,13 @@ def _all_dims(block_m, block_n):
     return {"tiles": tiles}
 
 
-# small tiles make every loop of the kernels take several trips and hit every block boundary case
-TILES = {"portable": {}, "tiles16": _all_dims(16, 16), "tiles16x32": _all_dims(16, 32)}
+SPLIT_DECODE = k.Decode(block_n=16, programs_per_sm=64, split_keys=16)
+"""Chunks of 16 keys: the decode kernel splits every cache of the tests and merges the chunks."""
+
+# small tiles make every loop of the kernels take several trips and hit every block boundary case;
+# a call whose queries of one KV head fit one tile (decode, cross) runs the decode kernel
+TILES = {"portable": {}, "tiles16": _all_dims(16, 16), "tiles16x32": _all_dims(16, 32),
+         "split_decode": {"decode": SPLIT_DECODE}}
 
 
 def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=None):
@@ -46,7 +51,7 @@ def _bodies(tiles):
         return k.attention_fwd(*a, **tiles)
 
     def bwd(*a):
-        return k.attention_bwd(*a, **tiles)
+        return k.attention_bwd(*a, **{n: t for n, t in tiles.items() if n != "decode"})
 
     return fwd, bwd
 
@@ -111,13 +116,19 @@ def test_empty(dtype, shape):
                  compare_saved=("lse",))
 
 
-def test_blind_queries_are_zero_not_nan():
+BLIND = {"tiles": ((1, 2, 1, 24, 8, 32, True), _all_dims(16, 16)),
+         "split_decode": ((1, 1, 1, 30, 20, 32, True), {"decode": SPLIT_DECODE})}
+
+
+@pytest.mark.parametrize("case", BLIND.values(), ids=BLIND.keys())
+def test_blind_queries_are_zero_not_nan(case):
     """Causal with Sq > Skv: the first Sq - Skv queries see no key: o = 0, lse = -inf, zero gradients."""
+    shape, tuning = case
     g = torch.Generator().manual_seed(5)
     a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v
-         for n, v in _args(g, torch.float32, 1, 2, 1, 24, 8, 32, True).items()}
-    o, lse = k.attention_fwd(*a.values(), **_all_dims(16, 16))
-    blind = 24 - 8
+         for n, v in _args(g, torch.float32, *shape).items()}
+    o, lse = k.attention_fwd(*a.values(), **tuning)
+    blind = shape[3] - shape[4]
     assert torch.equal(o[:, :, :blind], torch.zeros_like(o[:, :, :blind]))
     assert bool((lse[:, :, :blind] == float("-inf")).all()) and bool(lse[:, :, blind:].isfinite().all())
     do = randn(g, *o.shape, dtype=torch.float32).to(device())
@@ -149,15 +160,31 @@ SPECIALS = {
 }
 
 
-@pytest.mark.parametrize("case", SPECIALS.values(), ids=SPECIALS.keys())
+# the same for the decode kernel, 4 queries against 50 keys in chunks of 16: the last chunk (keys 48
+# and 49) holds only keys hidden from queries 0 and 1, whose (o, lse) there are (0 · v, -inf)
+DECODE_SPECIALS = {
+    "nan_query": ("q", 2, float("nan"), False),
+    "inf_key": ("k", 3, float("inf"), False),
+    "neg_inf_key_causal": ("k", 40, float("-inf"), True),
+    "hidden_nan_key": ("k", 48, float("nan"), True),
+    "hidden_inf_value": ("v", 48, float("inf"), True),
+    "hidden_nan_value": ("v", 49, float("nan"), True),
+}
+SPECIAL_LAYOUTS = {
+    **{f"tiles-{n}": (c, (1, 2, 1, 70, 60, 32), _all_dims(16, 16)) for n, c in SPECIALS.items()},
+    **{f"split_decode-{n}": (c, (1, 2, 1, 4, 50, 32), {"decode": SPLIT_DECODE}) for n, c in DECODE_SPECIALS.items()},
+}
+
+
+@pytest.mark.parametrize("case", SPECIAL_LAYOUTS.values(), ids=SPECIAL_LAYOUTS.keys())
 def test_forward_special_values_match_the_reference(dtype, case):
     """o and lse carry inf and NaN exactly where the float64 reference does (`kpt.kernels`)."""
-    name, row, value, causal = case
+    (name, row, value, causal), shape, tuning = case
     g = torch.Generator().manual_seed(13)
-    a = _args(g, dtype, 1, 2, 1, 70, 60, 32, causal)  # causal: queries 0..9 see no key
+    a = _args(g, dtype, *shape, causal)  # tiles, causal: queries 0..9 see no key
     a[name][0, 0, row, 5] = value
     a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v for n, v in a.items()}
-    o, lse = k.attention_fwd(*a.values(), **_all_dims(16, 16))
+    o, lse = k.attention_fwd(*a.values(), **tuning)
     o64, lse64 = kpt.SPECS["attention"].forward(*(to64(v) for v in a.values()))
     for out, ref, what in ((o, o64, "o"), (lse, lse64, "lse")):
         out, ref = out.cpu().double(), ref.cpu()

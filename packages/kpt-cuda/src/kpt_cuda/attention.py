@@ -11,11 +11,16 @@ contract:
   alignment only when the query and key lengths agree.
 * One query (decode): cuDNN, non-causal, since that query sees every key (faster than
   FlashAttention-2 against a long cache: 64 against 73 µs at B1 H32/8 Skv32768 on an H100).
-* other lengths (a KV cache: speculative decode, chunked prefill): cuDNN where the queries fill
-  every multiprocessor with tiles of `CUDNN_QUERY_TILE`, causal ones with kpt's mask passed as an
-  additive bias (B8 H32/8 Sq8 Skv8192: 326 against 388 µs); otherwise FlashAttention-2, whose
-  causal mask is aligned bottom-right like kpt's and which splits a long KV length for a short
-  query (B1 H32/8 Sq8 Skv32768: 138 µs, cuDNN 635).
+* a few queries against a KV cache (speculative decode: the query heads of one KV head × Sq fit
+  in one query tile of the portable kernel, `kpt_triton.attention.decodes`): kpt-triton's decode
+  kernel, which reads each key once per KV head and splits a long cache over the multiprocessors
+  (B8 H32/8 Sq8 Skv8192: 106 µs, where cuDNN with kpt's mask took 326; B1 H32/8 Sq8 Skv32768: 56
+  against FlashAttention-2's 132). For one query cuDNN stays slightly ahead of it (51.8 against
+  52.9 µs at B1 H32/8 Skv32768).
+* other lengths (chunked prefill): cuDNN where the queries fill every multiprocessor with tiles of
+  `CUDNN_QUERY_TILE`, causal ones with kpt's mask passed as an additive bias; otherwise
+  FlashAttention-2, whose causal mask is aligned bottom-right like kpt's and which splits a long
+  KV length for a short query.
 * The backward is cuDNN's for equal lengths (up to `CUDNN_MAX_BACKWARD_HEAD_DIM`; cuDNN refuses a
   single query and key) and FlashAttention-2's otherwise; both read the forward's ``(o, lse)``,
   whichever kernel computed them.
@@ -58,7 +63,7 @@ def available() -> bool:
 
 def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backward: bool = False) -> str | None:
     """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "flash", or None
-    where the portable kernel runs the call."""
+    where the portable kernels run the call (its decode kernel among them)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
@@ -68,6 +73,8 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "cudnn" if sq == skv > 1 and d <= CUDNN_MAX_BACKWARD_HEAD_DIM else "flash"
     if sq == skv or sq == 1:
         return "cudnn"
+    if portable.decodes(q, k):
+        return None
     # cuDNN does not split the keys of a short query: it wins only with query tiles for every SM
     if b * hq * -(-sq // CUDNN_QUERY_TILE) < _multiprocessors(q.device):
         return "flash"

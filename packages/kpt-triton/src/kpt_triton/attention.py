@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tiling
+from .launch import cached_launch
 from .linear import DOT_FP32, dot, dot_precision
 from .tiling import cdiv, next_pow2
 
@@ -210,6 +212,91 @@ def _attn_fwd_kernel(
         o = tl.where(last[None, :] > tl.maximum(offs_m + shift, -1)[:, None], float("nan"), o)
     tl.store(LSE + bh * Sq + offs_m, lse, mask=offs_m < Sq)
     _store_rows(OUT + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, o, HEAD_DIM, BLOCK_D)
+
+
+@cached_launch
+@triton.jit
+def _attn_decode_kernel(
+    Q, K, V, OUT, LSE,  # OUT, LSE: with DIRECT as `_attn_fwd_kernel`'s; else float32 partials
+    # [B·Hkv, splits, BLOCK_M, BLOCK_D] and [B·Hkv, splits, BLOCK_M] (lse in base 2)
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    Hkv, GROUP, Sq, Skv, CHUNK,  # CHUNK: keys per split, a multiple of BLOCK_N
+    qk_scale,
+    CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bk = tl.program_id(1).to(tl.int64)
+    b = bk // Hkv
+    hk = bk % Hkv
+    # row r of the tile: query r % Sq of head hk·GROUP + r // Sq (every query of the group's heads)
+    r = tl.arange(0, BLOCK_M)
+    rows = GROUP * Sq
+    offs_m = r % Sq
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b * stride_qb + (hk * GROUP + r // Sq)[:, None] * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=(r[:, None] < rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, Skv)
+    shift = Skv - Sq
+    # causal: every query sees the keys up to the shift; past it (the last Sq - 1 keys) each its own
+    seen = tl.minimum(tl.maximum(shift + 1, lo), hi) if CAUSAL else hi
+    full = lo + (seen - lo) // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                     stride_vd, offs_m, lo, full, qk_scale, shift, Skv,
+                                     False, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                     stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
+                                     True, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+    # the keys hidden from a query lie in the blocks loaded with the mask: a v row with an inf or NaN
+    # there reaches o through p = 0 (0 · inf) as in the reference, with no record of v needed
+    lse2 = m_i + tl.log2(l_i)
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if DIRECT:
+        tl.store(LSE + bk * rows + r, lse2 / LOG2E, mask=r < rows)
+        _store_rows(OUT + bk * rows * HEAD_DIM, r, rows, HEAD_DIM, o, HEAD_DIM, BLOCK_D)
+    else:
+        part = bk * tl.num_programs(0) + split
+        tl.store(LSE + part * BLOCK_M + r, lse2)
+        tl.store(OUT + (part * BLOCK_M + r[:, None]) * BLOCK_D + offs_d[None, :], o)
+
+
+@cached_launch
+@triton.jit
+def _attn_decode_combine_kernel(
+    PART_O, PART_LSE, OUT, LSE,  # `_attn_decode_kernel`'s partials; OUT, LSE as `_attn_fwd_kernel`'s
+    SPLITS,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One output row (query ``r`` of the group ``bk``) from the splits' ``(o, lse)``:
+    ``lse = log Σ_s exp(lse_s)``, ``o = Σ_s exp(lse_s − lse) · o_s``."""
+    row = tl.program_id(0).to(tl.int64)
+    bk = row // ROWS
+    r = row % ROWS
+    s = tl.arange(0, BLOCK_S)
+    part = bk * SPLITS + s
+    lse_s = tl.load(PART_LSE + part * BLOCK_M + r, mask=s < SPLITS, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    # as in the forward's loop: -inf everywhere (no key seen) gives lse = -inf and o = Σ 0 · o_s;
+    # a +inf gives lse = +inf and o = NaN; a NaN stays NaN
+    w = tl.exp2(lse_s - tl.where(tl.abs(m) < float("inf"), m, 0.0))
+    total = tl.sum(w, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    o_s = tl.load(PART_O + (part * BLOCK_M + r)[:, None] * BLOCK_D + offs_d[None, :], mask=(s < SPLITS)[:, None],
+                  other=0.0)
+    o = tl.sum(w[:, None] * o_s, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(LSE + row, (tl.where(tl.abs(m) < float("inf"), m, 0.0) + tl.log2(total)) / LOG2E)
+    tl.store(OUT + row * HEAD_DIM + offs_d, o.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -397,6 +484,26 @@ TilesByHeadDim = Mapping[int, Tiles]
 """Tiles for 16-bit inputs by padded head dim (16, 32, 64, 128, 256); float32 keeps the portable ones."""
 
 
+class Decode(NamedTuple):
+    """How the decode kernel cuts a call whose queries of one KV head (the group's heads × Sq) fit in
+    one query tile: ``block_n`` keys per step; the keys split into chunks of at least ``split_keys``
+    (a multiple of ``block_n``), one program each, so that the grid reaches ``programs_per_sm``
+    programs per multiprocessor where the keys are that many (at most `MAX_SPLITS` chunks)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    split_keys: int = 256
+    options: Mapping[str, int] = {}
+
+
+PORTABLE_DECODE = Decode()
+
+MAX_SPLITS = 128
+"""Chunks of keys per KV head at most (the combine kernel holds one row of every chunk at once)."""
+
+
 def _portable_tiles(block_d: int, dtype: torch.dtype, backward: bool) -> Tiles:
     """Tiles that fit any recent GPU's shared memory and, compiled for sm_90, keep the
     accumulators in registers (no spills up to head dim 128)."""
@@ -424,12 +531,13 @@ def _tiles(
 
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-    *, tiles: TilesByHeadDim | None = None, fp32_precision: str = "ieee",
+    *, tiles: TilesByHeadDim | None = None, decode: Decode = PORTABLE_DECODE, fp32_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(o, lse)``: ``o`` like q (contiguous), ``lse`` float32 ``[B, Hq, Sq]`` (natural log).
 
-    ``tiles`` overrides the portable tiles per head dim; ``fp32_precision`` is the dot precision
-    for float32 inputs ("ieee", or "tf32" where a backend accepts its error).
+    ``tiles`` overrides the portable tiles per head dim; ``decode`` how a call whose queries of one
+    KV head fit in one tile splits its keys (`_decode`); ``fp32_precision`` is the dot precision for
+    float32 inputs ("ieee", or "tf32" where a backend accepts its error).
     """
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -438,6 +546,8 @@ def attention_fwd(
     if o.numel() == 0:
         return o, lse
     block_d, t = _tiles(D, q.dtype, tiles, backward=False)
+    if decodes(q, k, tiles):
+        return _decode(q, k, v, o, lse, causal, scale, block_d, decode, dot_precision(q.dtype, fp32_precision))
     # with a causal mask and more than one query, some keys are hidden from some queries
     last = torch.empty((B, Hkv, D), dtype=torch.int32, device=q.device) if causal and Sq > 1 else None
     if last is not None:
@@ -455,6 +565,53 @@ def attention_fwd(
         DOT_FP32=DOT_FP32, PRECISION=dot_precision(q.dtype, fp32_precision),
         num_warps=t.num_warps, num_stages=t.num_stages, **t.options,
     )
+    return o, lse
+
+
+def decodes(q: torch.Tensor, k: torch.Tensor, tiles: TilesByHeadDim | None = None) -> bool:
+    """Whether `attention_fwd` runs the call with the decode kernel: keys to read, and the queries
+    of one KV head (its group's query heads × Sq) fit in one query tile."""
+    B, Hq, Sq, D = q.shape
+    return k.shape[2] > 0 and Hq // k.shape[1] * Sq <= _tiles(D, q.dtype, tiles, backward=False)[1].block_m
+
+
+def _decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float, block_d: int, plan: Decode, precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding (flash-decoding): one program per KV head and chunk of keys takes every query of
+    the heads sharing that KV head in one tile, so each key and value is read once per KV head,
+    not once per query head, and a long cache is split over the multiprocessors. With more than
+    one chunk, each writes its ``(o, lse)`` in float32 and `_attn_decode_combine_kernel` merges them."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    rows = Hq // Hkv * Sq
+    block_m = max(16, next_pow2(rows))
+    wanted = cdiv(tiling.multiprocessor_count(q.device) * plan.programs_per_sm, B * Hkv)
+    splits = max(1, min(wanted, cdiv(Skv, plan.split_keys), MAX_SPLITS))
+    chunk = cdiv(cdiv(Skv, splits), plan.block_n) * plan.block_n
+    splits = cdiv(Skv, chunk)
+    direct = splits == 1
+    if direct:
+        out, out_lse = o, lse
+    else:
+        out = torch.empty((B * Hkv, splits, block_m, block_d), dtype=torch.float32, device=q.device)
+        out_lse = torch.empty((B * Hkv, splits, block_m), dtype=torch.float32, device=q.device)
+    _attn_decode_kernel[(splits, B * Hkv)](
+        q, k, v, out, out_lse, *q.stride(), *k.stride(), *v.stride(),
+        Hkv, Hq // Hkv, Sq, Skv, chunk, scale * _LOG2E,
+        CAUSAL=causal, DIRECT=direct, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d,
+        DOT_FP32=DOT_FP32, PRECISION=precision,
+        # float32's dot holds twice the registers (sm90, 32 rows of head dim 64: 1376 spilled bytes
+        # a thread in 4 warps)
+        num_warps=plan.num_warps * (2 if q.dtype == torch.float32 else 1), num_stages=plan.num_stages,
+        **plan.options,
+    )
+    if not direct:
+        _attn_decode_combine_kernel[(B * Hkv * rows,)](
+            out, out_lse, o, lse, splits,
+            ROWS=rows, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=next_pow2(splits),
+        )
     return o, lse
 
 

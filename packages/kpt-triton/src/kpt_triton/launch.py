@@ -20,10 +20,10 @@ tensor, whether it is in host memory, its dtype and its 16-byte alignment; for a
 A call with any other kind of argument or a grid given as a function, a call while Triton's
 launch hooks are set (profilers), and Triton's interpreter always take Triton's own path.
 
-Every kpt-triton kernel launched with a fixed grid is wrapped, except attention's (not yet run
-wrapped on a GPU; on Hopper, kpt-cuda's attention is cuDNN's). On an H100 host it took 10 to 45 µs
-off the host time of a one-token call (rms_norm 1 × 4096: 66–69 against 55 µs; moe_combine 132–137
-against 89 µs; ``benchmarks/h100-2026-11-26b.md``).
+Every kpt-triton kernel launched with a fixed grid is wrapped, except attention's training kernels
+(not yet run wrapped on a GPU; on Hopper, kpt-cuda's attention is cuDNN's); its decode kernels are.
+On an H100 host it took 10 to 45 µs off the host time of a one-token call (rms_norm 1 × 4096: 66–69
+against 55 µs; moe_combine 132–137 against 89 µs; ``benchmarks/h100-2026-11-26b.md``).
 """
 
 from __future__ import annotations
