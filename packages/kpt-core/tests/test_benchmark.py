@@ -134,7 +134,8 @@ def test_attention_sweep_covers_the_issue_shapes() -> None:
     assert {dt for _, dt, _ in kws} == {torch.bfloat16, torch.float16}
     assert all(m == sweeps.FWD for k, _, m in kws if k["d"] == 256 or k["sq"] < k["skv"])
     decode = [k for k, _, _ in kws if k["sq"] < k["skv"]]
-    assert max(k["skv"] for k in decode) == 32768 and {(k["hq"], k["hkv"]) for k in decode} == {(32, 8)}
+    assert max(k["skv"] for k in decode) == 32768 and {(k["hq"], k["hkv"]) for k in decode} == {(32, 8), (32, 4)}
+    assert {k["sq"] for k in decode} == {1, 8, 16}
     assert all(p.peers == ("library",) for p in points)
 
 

@@ -40,11 +40,13 @@ def _an_h100(monkeypatch):
 def test_attention_library_choice():
     assert _lib(64, 64, True) == "cudnn"  # equal lengths: cuDNN's top-left mask is kpt's
     assert _lib(1, 4096, True) == "cudnn"  # one query sees every key: no mask to align
-    # a few queries against a KV cache: 4 query heads x Sq fit one portable query tile (64 rows)
+    # a few queries against a KV cache: up to 128 rows of 4 query heads x Sq
     assert _lib(8, 4096, True) is None  # kpt-triton's decode kernel
-    assert _lib(16, 4096, False, batch=32) is None
+    assert _lib(32, 4096, False, batch=32) is None
     assert _lib(8, 4096, True, backward=True) == "flash"
-    assert _lib(17, 4096, True, batch=32) == "cudnn-mask"  # 68 rows: chunked prefill
+    assert _lib(33, 4096, True, batch=32) == "cudnn-mask"  # 132 rows: chunked prefill
+    assert _lib(8, 4096, True, d=256) is None  # head dim 256: one query tile, 32 rows
+    assert _lib(16, 4096, True, d=256) == "flash"
     assert _lib(64, 4096, True) == "flash"  # FlashAttention's bottom-right mask
     assert _lib(64, 4096, False) == "flash"  # few query tiles: FlashAttention splits the keys
     assert _lib(64, 4096, True, batch=32) == "cudnn-mask"  # 32 x 8 tiles: cuDNN with kpt's mask
@@ -121,8 +123,8 @@ def test_cudnn_with_the_cached_causal_mask_matches_the_reference_on_hopper():
     that share a band and one that does not."""
     g = torch.Generator().manual_seed(4)
     be, ref = kpt.get_backend("cuda"), kpt.get_backend("reference")
-    for skv in (1024, 1016, 520, 64):
-        q = torch.randn(32, 8, 32, 64, generator=g).bfloat16()
+    for skv in (1024, 1016, 520, 72):
+        q = torch.randn(32, 8, 64, 64, generator=g).bfloat16()
         k, v = (torch.randn(32, 2, skv, 64, generator=g).bfloat16() for _ in range(2))
         assert attention._library(q.cuda(), k.cuda(), True, 0.125) == "cudnn-mask"
         o = be.attention(q.cuda(), k.cuda(), v.cuda(), causal=True)

@@ -31,9 +31,10 @@ SPLIT_DECODE = k.Decode(block_n=16, programs_per_sm=64, split_keys=16)
 """Chunks of 16 keys: the decode kernel splits every cache of the tests and merges the chunks."""
 
 # small tiles make every loop of the kernels take several trips and hit every block boundary case;
-# a call whose queries of one KV head fit one tile (decode, cross) runs the decode kernel
-TILES = {"portable": {}, "tiles16": _all_dims(16, 16), "tiles16x32": _all_dims(16, 32),
-         "split_decode": {"decode": SPLIT_DECODE}}
+# a call with few queries per KV head (decode, cross; up to 128 in 16 bits, one tile with the small
+# tiles) runs the decode kernel
+TILES = {"portable": {}, "tiles16": {**_all_dims(16, 16), "decode": k.Decode(rows=16)},
+         "tiles16x32": {**_all_dims(16, 32), "decode": k.Decode(rows=16)}, "split_decode": {"decode": SPLIT_DECODE}}
 
 
 def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=None):

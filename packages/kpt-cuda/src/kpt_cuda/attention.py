@@ -11,12 +11,12 @@ contract:
   alignment only when the query and key lengths agree.
 * One query (decode): cuDNN, non-causal, since that query sees every key (faster than
   FlashAttention-2 against a long cache: 64 against 73 µs at B1 H32/8 Skv32768 on an H100).
-* a few queries against a KV cache (speculative decode: the query heads of one KV head × Sq fit
-  in one query tile of the portable kernel, `kpt_triton.attention.decodes`): kpt-triton's decode
-  kernel, which reads each key once per KV head and splits a long cache over the multiprocessors
-  (B8 H32/8 Sq8 Skv8192: 106 µs, where cuDNN with kpt's mask took 326; B1 H32/8 Sq8 Skv32768: 56
-  against FlashAttention-2's 132). For one query cuDNN stays slightly ahead of it (51.8 against
-  52.9 µs at B1 H32/8 Skv32768).
+* a few queries against a KV cache (speculative decode: up to 128 query rows per KV head, the
+  query heads of one KV head × Sq, `kpt_triton.attention.decodes`): kpt-triton's decode kernel,
+  which reads each key once per KV head and splits a long cache over the multiprocessors (B8
+  H32/8 Sq8 Skv8192: 106 µs, where cuDNN with kpt's mask took 326; B1 H32/8 Sq8 Skv32768: 56
+  against FlashAttention-2's 132; B8 H32/4 Sq16 Skv8192, 128 rows: 97 against 334). For one query
+  cuDNN stays level or slightly ahead of it (51.8 against 52.0–52.9 µs at B1 H32/8 Skv32768).
 * other lengths (chunked prefill): cuDNN where the queries fill every multiprocessor with tiles of
   `CUDNN_QUERY_TILE`, causal ones with kpt's mask passed as an additive bias; otherwise
   FlashAttention-2, whose causal mask is aligned bottom-right like kpt's and which splits a long

@@ -485,17 +485,21 @@ TilesByHeadDim = Mapping[int, Tiles]
 
 
 class Decode(NamedTuple):
-    """How the decode kernel cuts a call whose queries of one KV head (the group's heads × Sq) fit in
-    one query tile: ``block_n`` keys per step; the keys split into chunks of at least ``split_keys``
-    (a multiple of ``block_n``), one program each, so that the grid reaches ``programs_per_sm``
-    programs per multiprocessor where the keys are that many (at most `MAX_SPLITS` chunks)."""
+    """Which calls the decode kernel takes and how it cuts them: those whose queries of one KV head
+    (the group's heads × Sq) are at most ``rows`` (16-bit inputs, head dims up to 128; otherwise at
+    most one query tile of the forward's `Tiles`). It reads ``block_n`` keys per step in
+    ``num_stages`` stages (None: the forward's tiles', whose compiler options it also takes, so it
+    fits wherever they do) with ``num_warps`` warps (twice that in float32). The keys split into
+    chunks of at least ``split_keys``, one program each, so that the grid reaches
+    ``programs_per_sm`` programs per multiprocessor where the keys are that many (at most
+    `MAX_SPLITS` chunks). The defaults were the fastest of 16 plans on an H100 (``benchmarks/``)."""
 
-    block_n: int = 64
+    rows: int = 128
+    block_n: int | None = None
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int | None = None
     programs_per_sm: int = 2
     split_keys: int = 256
-    options: Mapping[str, int] = {}
 
 
 PORTABLE_DECODE = Decode()
@@ -546,8 +550,8 @@ def attention_fwd(
     if o.numel() == 0:
         return o, lse
     block_d, t = _tiles(D, q.dtype, tiles, backward=False)
-    if decodes(q, k, tiles):
-        return _decode(q, k, v, o, lse, causal, scale, block_d, decode, dot_precision(q.dtype, fp32_precision))
+    if decodes(q, k, tiles, decode):
+        return _decode(q, k, v, o, lse, causal, scale, block_d, t, decode, dot_precision(q.dtype, fp32_precision))
     # with a causal mask and more than one query, some keys are hidden from some queries
     last = torch.empty((B, Hkv, D), dtype=torch.int32, device=q.device) if causal and Sq > 1 else None
     if last is not None:
@@ -568,16 +572,19 @@ def attention_fwd(
     return o, lse
 
 
-def decodes(q: torch.Tensor, k: torch.Tensor, tiles: TilesByHeadDim | None = None) -> bool:
-    """Whether `attention_fwd` runs the call with the decode kernel: keys to read, and the queries
-    of one KV head (its group's query heads × Sq) fit in one query tile."""
+def decodes(q: torch.Tensor, k: torch.Tensor, tiles: TilesByHeadDim | None = None,
+            plan: Decode = PORTABLE_DECODE) -> bool:
+    """Whether `attention_fwd` runs the call with the decode kernel: keys to read, and few queries
+    of one KV head (its group's query heads × Sq; `Decode`)."""
     B, Hq, Sq, D = q.shape
-    return k.shape[2] > 0 and Hq // k.shape[1] * Sq <= _tiles(D, q.dtype, tiles, backward=False)[1].block_m
+    block_d, t = _tiles(D, q.dtype, tiles, backward=False)
+    rows = t.block_m if q.dtype == torch.float32 or block_d > 128 else max(t.block_m, plan.rows)
+    return k.shape[2] > 0 and Hq // k.shape[1] * Sq <= rows
 
 
 def _decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float, block_d: int, plan: Decode, precision: str,
+    causal: bool, scale: float, block_d: int, tiles: Tiles, plan: Decode, precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoding (flash-decoding): one program per KV head and chunk of keys takes every query of
     the heads sharing that KV head in one tile, so each key and value is read once per KV head,
@@ -587,9 +594,10 @@ def _decode(
     Hkv, Skv = k.shape[1], k.shape[2]
     rows = Hq // Hkv * Sq
     block_m = max(16, next_pow2(rows))
+    block_n = tiles.block_n if plan.block_n is None else plan.block_n
     wanted = cdiv(tiling.multiprocessor_count(q.device) * plan.programs_per_sm, B * Hkv)
     splits = max(1, min(wanted, cdiv(Skv, plan.split_keys), MAX_SPLITS))
-    chunk = cdiv(cdiv(Skv, splits), plan.block_n) * plan.block_n
+    chunk = cdiv(cdiv(Skv, splits), block_n) * block_n
     splits = cdiv(Skv, chunk)
     direct = splits == 1
     if direct:
@@ -600,12 +608,12 @@ def _decode(
     _attn_decode_kernel[(splits, B * Hkv)](
         q, k, v, out, out_lse, *q.stride(), *k.stride(), *v.stride(),
         Hkv, Hq // Hkv, Sq, Skv, chunk, scale * _LOG2E,
-        CAUSAL=causal, DIRECT=direct, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d,
+        CAUSAL=causal, DIRECT=direct, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_FP32=DOT_FP32, PRECISION=precision,
         # float32's dot holds twice the registers (sm90, 32 rows of head dim 64: 1376 spilled bytes
         # a thread in 4 warps)
-        num_warps=plan.num_warps * (2 if q.dtype == torch.float32 else 1), num_stages=plan.num_stages,
-        **plan.options,
+        num_warps=plan.num_warps * (2 if q.dtype == torch.float32 else 1),
+        num_stages=tiles.num_stages if plan.num_stages is None else plan.num_stages, **tiles.options,
     )
     if not direct:
         _attn_decode_combine_kernel[(B * Hkv * rows,)](
