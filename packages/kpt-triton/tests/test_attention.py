@@ -18,6 +18,8 @@ SHAPES = {
     "decode": (1, 3, 1, 1, 33, 32, True),
     "mqa_long": (1, 2, 1, 100, 100, 64, True),
     "cross": (1, 2, 1, 9, 100, 16, False),
+    # longer than the portable plan's chunks (`Decode.split_keys`): float32 splits too
+    "decode_long": (1, 2, 1, 3, 600, 16, True),
 }
 
 
@@ -28,13 +30,16 @@ def _all_dims(block_m, block_n):
 
 
 SPLIT_DECODE = k.Decode(block_n=16, programs_per_sm=64, split_keys=16)
-"""Chunks of 16 keys: the decode kernel splits every cache of the tests and merges the chunks."""
+"""Chunks of 16 keys: the decode kernel splits every 16-bit cache of the tests and merges the chunks."""
+WIDE_DECODE = k.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=32, scores=512)
+"""Key blocks halved to fit ``scores`` (32 keys for 16 rows), one program per CPU."""
 
 # small tiles make every loop of the kernels take several trips and hit every block boundary case;
 # a call with few queries per KV head (decode, cross; up to 128 in 16 bits, one tile with the small
 # tiles) runs the decode kernel
 TILES = {"portable": {}, "tiles16": {**_all_dims(16, 16), "decode": k.Decode(rows=16)},
-         "tiles16x32": {**_all_dims(16, 32), "decode": k.Decode(rows=16)}, "split_decode": {"decode": SPLIT_DECODE}}
+         "tiles16x32": {**_all_dims(16, 32), "decode": k.Decode(rows=16)}, "split_decode": {"decode": SPLIT_DECODE},
+         "wide_decode": {"decode": WIDE_DECODE}}
 
 
 def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=None):
@@ -117,22 +122,23 @@ def test_empty(dtype, shape):
                  compare_saved=("lse",))
 
 
-BLIND = {"tiles": ((1, 2, 1, 24, 8, 32, True), _all_dims(16, 16)),
-         "split_decode": ((1, 1, 1, 30, 20, 32, True), {"decode": SPLIT_DECODE})}
+# (shape, dtype, tuning): the decode plans apply to 16-bit inputs
+BLIND = {"tiles": ((1, 2, 1, 24, 8, 32, True), torch.float32, _all_dims(16, 16)),
+         "split_decode": ((1, 1, 1, 30, 20, 32, True), torch.float16, {"decode": SPLIT_DECODE})}
 
 
 @pytest.mark.parametrize("case", BLIND.values(), ids=BLIND.keys())
 def test_blind_queries_are_zero_not_nan(case):
     """Causal with Sq > Skv: the first Sq - Skv queries see no key: o = 0, lse = -inf, zero gradients."""
-    shape, tuning = case
+    shape, dtype, tuning = case
     g = torch.Generator().manual_seed(5)
     a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v
-         for n, v in _args(g, torch.float32, *shape).items()}
+         for n, v in _args(g, dtype, *shape).items()}
     o, lse = k.attention_fwd(*a.values(), **tuning)
     blind = shape[3] - shape[4]
     assert torch.equal(o[:, :, :blind], torch.zeros_like(o[:, :, :blind]))
     assert bool((lse[:, :, :blind] == float("-inf")).all()) and bool(lse[:, :, blind:].isfinite().all())
-    do = randn(g, *o.shape, dtype=torch.float32).to(device())
+    do = randn(g, *o.shape, dtype=dtype).to(device())
     dq, dk, dv = k.attention_bwd(*a.values(), o, lse, do, **_all_dims(16, 16))
     assert torch.equal(dq[:, :, :blind], torch.zeros_like(dq[:, :, :blind]))
     assert not any(bool(t.isnan().any()) for t in (dq, dk, dv))

@@ -134,12 +134,13 @@ def _fused_layout(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def attention_fwd(q, k, v, causal, scale, **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_fwd(q, k, v, causal, scale, *, decode: portable.Decode = portable.PORTABLE_DECODE,
+                  **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
-    it passes on when it hands a call over."""
+    (the decode kernel's plan among them, `kpt_cuda.tuning`) it passes on when it hands a call over."""
     library = _library(q, k, causal, scale)
     if library is None:
-        return portable.attention_fwd(q, k, v, causal, scale, **tuning)
+        return portable.attention_fwd(q, k, v, causal, scale, decode=decode, **tuning)
     causal = causal and q.shape[2] > 1
     q, k, v = (_fused_layout(t) for t in (q, k, v))
     if library == "cudnn":

@@ -485,14 +485,23 @@ TilesByHeadDim = Mapping[int, Tiles]
 
 
 class Decode(NamedTuple):
-    """Which calls the decode kernel takes and how it cuts them: those whose queries of one KV head
-    (the group's heads × Sq) are at most ``rows`` (16-bit inputs, head dims up to 128; otherwise at
-    most one query tile of the forward's `Tiles`). It reads ``block_n`` keys per step in
-    ``num_stages`` stages (None: the forward's tiles', whose compiler options it also takes, so it
-    fits wherever they do) with ``num_warps`` warps (twice that in float32). The keys split into
-    chunks of at least ``split_keys``, one program each, so that the grid reaches
-    ``programs_per_sm`` programs per multiprocessor where the keys are that many (at most
-    `MAX_SPLITS` chunks). The defaults were the fastest of 16 plans on an H100 (``benchmarks/``)."""
+    """How the decode kernel cuts a call (`attention_fwd` runs it where `decodes`). A plan applies to
+    16-bit inputs up to head dim 128; float32 and wider heads, twice the bytes a key, take
+    `PORTABLE_DECODE` and at most one query tile of the forward's rows.
+
+    - ``rows``: the most query rows of one KV head (its group's heads × Sq) the kernel takes.
+    - ``block_n`` keys a step in ``num_stages`` stages (None: the forward's `Tiles`', whose compiler
+      options the kernel takes too, so it fits wherever they do), with ``num_warps`` warps
+      (``wide_warps`` for tiles of more than 64 rows, None: the same; twice that in float32);
+      ``block_n`` halves until a tile holds at most ``scores`` scores (rows × keys, held in
+      registers).
+    - The keys split into chunks of at least ``split_keys``, one program each, as many as fill one
+      wave of ``programs_per_sm`` programs per multiprocessor (a second, partial wave would take as
+      long as the first), at most `MAX_SPLITS`.
+
+    The portable defaults were the fastest of 16 plans on an H100 under an earlier rule that took
+    the ceiling of the wave; kpt-cuda's sm90 plan was swept on an H200 (``benchmarks/``).
+    """
 
     rows: int = 128
     block_n: int | None = None
@@ -500,9 +509,12 @@ class Decode(NamedTuple):
     num_stages: int | None = None
     programs_per_sm: int = 2
     split_keys: int = 256
+    scores: int = 8192
+    wide_warps: int | None = None
 
 
 PORTABLE_DECODE = Decode()
+"""The plan of calls that a backend's tuning does not give one, and of float32 and head dims above 128."""
 
 MAX_SPLITS = 128
 """Chunks of keys per KV head at most (the combine kernel holds one row of every chunk at once)."""
@@ -578,8 +590,14 @@ def decodes(q: torch.Tensor, k: torch.Tensor, tiles: TilesByHeadDim | None = Non
     of one KV head (its group's query heads × Sq; `Decode`)."""
     B, Hq, Sq, D = q.shape
     block_d, t = _tiles(D, q.dtype, tiles, backward=False)
-    rows = t.block_m if q.dtype == torch.float32 or block_d > 128 else max(t.block_m, plan.rows)
+    rows = max(t.block_m, plan.rows) if _planned(q.dtype, block_d) else t.block_m
     return k.shape[2] > 0 and Hq // k.shape[1] * Sq <= rows
+
+
+def _planned(dtype: torch.dtype, block_d: int) -> bool:
+    """Whether a `Decode` plan applies: 16-bit inputs up to head dim 128 (float32 and wider heads
+    hold twice the bytes a key, and take the portable plan)."""
+    return dtype != torch.float32 and block_d <= 128
 
 
 def _decode(
@@ -594,9 +612,13 @@ def _decode(
     Hkv, Skv = k.shape[1], k.shape[2]
     rows = Hq // Hkv * Sq
     block_m = max(16, next_pow2(rows))
+    plan = plan if _planned(q.dtype, block_d) else PORTABLE_DECODE
     block_n = tiles.block_n if plan.block_n is None else plan.block_n
-    wanted = cdiv(tiling.multiprocessor_count(q.device) * plan.programs_per_sm, B * Hkv)
-    splits = max(1, min(wanted, cdiv(Skv, plan.split_keys), MAX_SPLITS))
+    while block_n > 16 and block_m * block_n > plan.scores:
+        block_n //= 2
+    stages = tiles.num_stages if plan.num_stages is None else plan.num_stages
+    wave = tiling.multiprocessor_count(q.device) * plan.programs_per_sm // (B * Hkv)
+    splits = max(1, min(wave, cdiv(Skv, plan.split_keys), MAX_SPLITS))
     chunk = cdiv(cdiv(Skv, splits), block_n) * block_n
     splits = cdiv(Skv, chunk)
     direct = splits == 1
@@ -612,8 +634,9 @@ def _decode(
         DOT_FP32=DOT_FP32, PRECISION=precision,
         # float32's dot holds twice the registers (sm90, 32 rows of head dim 64: 1376 spilled bytes
         # a thread in 4 warps)
-        num_warps=plan.num_warps * (2 if q.dtype == torch.float32 else 1),
-        num_stages=tiles.num_stages if plan.num_stages is None else plan.num_stages, **tiles.options,
+        num_warps=((plan.wide_warps or plan.num_warps) if block_m > 64 else plan.num_warps)
+        * (2 if q.dtype == torch.float32 else 1),
+        num_stages=stages, **tiles.options,
     )
     if not direct:
         _attn_decode_combine_kernel[(B * Hkv * rows,)](
