@@ -67,9 +67,9 @@ SM90: Table = {
                          "native_cast": True},
     "dequantize_fp8_fwd": {"block": 8192, "native_cast": True},
     "fp8_linear_fwd": {"scaled_mm": True, "native_cast": True},
-    # the decode kernel: one program a multiprocessor, 128 keys a step in 3 stages (192 KB of shared
-    # memory in flight), 8 warps for 128 query rows (with 4: 560 spilled bytes a thread); on an H200
-    # (2026-11-28) 2.3-5.3x SDPA's best at the attention sweep's multi-query decode shapes, 1.3x the
+    # the decode kernel: one program a multiprocessor, 128 keys a step in 3 stages (128-208 KB of shared
+    # memory at head dim 128), 8 warps for 128 query rows (with 4: 560 spilled bytes a thread); on an H200
+    # (2026-11-28) 3.3-6.3x SDPA's best at the attention sweep's multi-query decode shapes, 1.3x the
     # portable plan at B8 H32/8 Sq8 Skv8192 (70.5 against 87.0 us)
     "attention_fwd": {"decode": Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512,
                                        wide_warps=8)},

@@ -1,11 +1,20 @@
-"""Decode kernel plans (kpt_triton.attention.Decode) on the one-wave rule, against the committed
-rule (ceil: a partial second wave) and kpt-cuda's library at one query; graph replay."""
+"""The decode kernel's chunking and plans on an H200, graph replay, GPU µs; one mode per call:
+
+    python probe-decode-rules.py waves    # call 3: chunk counts (ceil / floor of a wave) x stages
+    python probe-decode-rules.py plans3   # call 4: plans (kpt_triton.attention.Decode), one-wave rule
+    python probe-decode-rules.py plans4   # call 6: warps and score caps of kpt-cuda's plan
+
+The three ran as separate copies of this script, merged afterwards. In call 4 a plan's key block
+and stages alone fell back to the portable ones at head dim 256 (its other fields applied); the
+code since gives such calls the whole portable plan. ``wide_warps`` came after call 6: its "w8"
+plans set ``num_warps``."""
 import math, sys
 import torch
 import kpt_triton.attention as A
 from kpt_triton.tiling import cdiv, next_pow2
 import kpt_cuda.attention as C
 
+MODE = sys.argv[1]
 torch.manual_seed(0)
 dev = "cuda"
 aten = torch.ops.aten
@@ -36,16 +45,44 @@ def splits_ceil(bh, skv, per_sm, keys):  # the committed rule
     return max(1, min(cdiv(SM * per_sm, bh), cdiv(skv, keys), A.MAX_SPLITS))
 
 
-PLANS = {
-    "portable Decode()": A.Decode(),
-    "bn128 s3 pps1 k512": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512),
-    "bn128 s3 pps1 k512 uncapped": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512, scores=16384),
-    "bn128 s3 pps1 k256": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=256),
-    "bn128 s2 pps1 k512": A.Decode(block_n=128, num_stages=2, programs_per_sm=1, split_keys=512),
-    "bn64 s4 pps1 k512": A.Decode(block_n=64, num_stages=4, programs_per_sm=1, split_keys=512),
-    "bn64 s3 pps1 k512": A.Decode(block_n=64, num_stages=3, programs_per_sm=1, split_keys=512),
-    "bn64 s3 pps2 k256": A.Decode(block_n=64, num_stages=3, programs_per_sm=2, split_keys=256),
+def splits_floor(bh, skv, per_sm, keys):  # at most one wave of per_sm programs per multiprocessor
+    return max(1, min((SM * per_sm) // bh, cdiv(skv, keys), A.MAX_SPLITS))
+
+
+POLICIES = {  # name: (rule, programs per SM, keys per chunk, block_n, stages)
+    "ceil2 s2 (committed)": (splits_ceil, 2, 256, 64, 2),
+    "ceil2 s3": (splits_ceil, 2, 256, 64, 3),
+    "floor2 s2": (splits_floor, 2, 256, 64, 2),
+    "floor2 s3": (splits_floor, 2, 256, 64, 3),
+    "floor3 s2": (splits_floor, 3, 256, 64, 2),
+    "floor2 s3 k512": (splits_floor, 2, 512, 64, 3),
+    "floor1 s4": (splits_floor, 1, 256, 64, 4),
+    "floor2 s4": (splits_floor, 2, 256, 64, 4),
+    "floor1 bn128 s3": (splits_floor, 1, 512, 128, 3),
 }
+
+
+PLANS = {
+    "plans3": {
+        "portable Decode()": A.Decode(),
+        "bn128 s3 pps1 k512": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512),
+        "bn128 s3 pps1 k512 uncapped": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512,
+                                                scores=16384),
+        "bn128 s3 pps1 k256": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=256),
+        "bn128 s2 pps1 k512": A.Decode(block_n=128, num_stages=2, programs_per_sm=1, split_keys=512),
+        "bn64 s4 pps1 k512": A.Decode(block_n=64, num_stages=4, programs_per_sm=1, split_keys=512),
+        "bn64 s3 pps1 k512": A.Decode(block_n=64, num_stages=3, programs_per_sm=1, split_keys=512),
+        "bn64 s3 pps2 k256": A.Decode(block_n=64, num_stages=3, programs_per_sm=2, split_keys=256),
+    },
+    "plans4": {
+        "w4 bn128 s3 pps1 k512": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512),
+        "w8 bn128 s3 pps1 k512": A.Decode(block_n=128, num_warps=8, num_stages=3, programs_per_sm=1, split_keys=512),
+        "w4 bn128 s3 pps1 k512 scores4096": A.Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512,
+                                                     scores=4096),
+        "w8 bn128 s3 pps2 k512": A.Decode(block_n=128, num_warps=8, num_stages=3, programs_per_sm=2, split_keys=512),
+        "w8 bn64 s4 pps1 k512": A.Decode(block_n=64, num_warps=8, num_stages=4, programs_per_sm=1, split_keys=512),
+    },
+}.get(MODE, {})
 
 
 def run(q, k, v, causal, scale, splits, block_n, stages):
@@ -98,7 +135,8 @@ def gtime(fn, calls=10, reps=15):
 
 
 print(torch.cuda.get_device_name(), "SMs", SM)
-logs = {p: [] for p in ['committed (ceil2 bn64 s2 k256)', *PLANS]}
+COMMITTED = 'committed (ceil2 bn64 s2 k256)'
+logs = {p: [] for p in (POLICIES if MODE == 'waves' else [COMMITTED, *PLANS])}
 for b, hq, hkv, sq, skv, d, dt in SHAPES:
     q = torch.randn(b, hq, sq, d, device=dev, dtype=dt)
     k = torch.randn(b, hkv, skv, d, device=dev, dtype=dt)
@@ -115,11 +153,25 @@ for b, hq, hkv, sq, skv, d, dt in SHAPES:
     t_lib = gtime(lambda: C.attention_fwd(q, k, v, True, scale))
     line = [f"B{b} H{hq}/{hkv} Sq{sq} Skv{skv} D{d} {str(dt)[6:]}: kpt-cuda ({lib or 'decode'}) {t_lib:.1f}"]
     times = {}
-    n = splits_ceil(b * hkv, skv, 2, 256)
-    o, _ = run(q, k, v, True, scale, n, 64, 2)
-    assert float((o.float() - o_ref).abs().max()) < 2e-2
-    times["committed (ceil2 bn64 s2 k256)"] = t = gtime(lambda: run(q, k, v, True, scale, n, 64, 2))
-    line.append(f"committed [{n}] {t:.1f}")
+    for name, (rule, per_sm, keys, bn, st) in (POLICIES.items() if MODE == "waves" else ()):
+        if d == 256 and (bn * st > 128):
+            line.append(f"{name} -"); continue
+        n = rule(b * hkv, skv, per_sm, keys)
+        try:
+            o, _ = run(q, k, v, True, scale, n, bn, st)
+            err = float((o.float() - o_ref).abs().max())
+            assert err < 2e-2, err
+            t = gtime(lambda: run(q, k, v, True, scale, n, bn, st))
+        except Exception as e:
+            line.append(f"{name} ERR {repr(e)[:60]}"); continue
+        times[name] = t
+        line.append(f"{name} [{n}x{b*hkv}] {t:.1f}")
+    if MODE != "waves":
+        n = splits_ceil(b * hkv, skv, 2, 256)
+        o, _ = run(q, k, v, True, scale, n, 64, 2)
+        assert float((o.float() - o_ref).abs().max()) < 2e-2
+        times[COMMITTED] = t = gtime(lambda: run(q, k, v, True, scale, n, 64, 2))
+        line.append(f"committed [{n}] {t:.1f}")
     for name, plan in PLANS.items():
         try:
             o, _ = A.attention_fwd(q, k, v, True, scale, decode=plan)
