@@ -201,7 +201,7 @@ def report(session: nox.Session) -> None:
 
 
 # backend -> the arch tags compiled ahead of time by the aot session
-AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"), "cuda": ("sm80", "sm90")}
+AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"), "cuda": ("sm80", "sm90", "sm90-hbm3e")}
 
 
 @nox.session

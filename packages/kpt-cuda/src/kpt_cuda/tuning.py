@@ -67,16 +67,17 @@ SM90: Table = {
                          "native_cast": True},
     "dequantize_fp8_fwd": {"block": 8192, "native_cast": True},
     "fp8_linear_fwd": {"scaled_mm": True, "native_cast": True},
-    # the decode kernel: one program a multiprocessor, 128 keys a step in 3 stages (128-208 KB of shared
-    # memory at head dim 128), 8 warps for 128 query rows (with 4: 560 spilled bytes a thread); on an H200
-    # (2026-11-28) 3.3-6.3x SDPA's best at the attention sweep's multi-query decode shapes, 1.3x the
-    # portable plan at B8 H32/8 Sq8 Skv8192 (70.5 against 87.0 us)
-    "attention_fwd": {"decode": Decode(block_n=128, num_stages=3, programs_per_sm=1, split_keys=512,
-                                       wide_warps=8)},
 }
 
 SM90_HBM3E: Table = {**SM90, "layer_norm_fwd": {"tile_elems": 4096, "elems_per_warp": 2048, "stream": True},
                      "rope_fwd": _ROPE_SM90,
+                     # the decode kernel: one program a multiprocessor, 128 keys a step in 3 stages
+                     # (128-208 KB of shared memory at head dim 128), 8 warps for 128 query rows (with 4:
+                     # 560 spilled bytes a thread); on an H200 (2026-11-28) 3.3-6.3x SDPA's best at the
+                     # attention sweep's multi-query decode shapes, 1.3x the portable plan at B8 H32/8
+                     # Sq8 Skv8192 (70.5 against 87.0 us). Not swept on an H100, which keeps the portable plan.
+                     "attention_fwd": {"decode": Decode(block_n=128, num_stages=3, programs_per_sm=1,
+                                                        split_keys=512, wide_warps=8)},
                      # the sixth (H100) sweep's entries, not measured on an H200: the earlier ones
                      "layer_norm_bwd": {**_ROW_SM90, "programs_per_sm": 4},
                      "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True},
@@ -103,16 +104,21 @@ SM80: Table = {
 TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E, "interpret": {}}
 """By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
 
+_SPILLS_SM90 = {
+    "_rms_norm_bwd_kernel": "4 rows of 4096 (2 of 8192) per tile in 16 warps: 56-104 spilled bytes a thread (AOT "
+                            "check); kept, the fastest tile of the seventh H100 sweep at every shape (1239 -> 1133 "
+                            "us at 65536 x 8192, above)",
+    "_cross_entropy_kernel": "linear_cross_entropy's float32 chunk logits with a bfloat16 gradient, 16384-wide "
+                             "chunks: 16 spilled bytes (AOT check); the block of the swept cross_entropy entry, not "
+                             "swept on its own",
+}
+
 SPILLS: dict[str, dict[str, str]] = {
-    "sm90": {"_rms_norm_bwd_kernel": "4 rows of 4096 (2 of 8192) per tile in 16 warps: 56-104 spilled bytes a "
-                                     "thread (AOT check); kept, the fastest tile of the seventh H100 sweep at every "
-                                     "shape (1239 -> 1133 us at 65536 x 8192, above)",
-             "_cross_entropy_kernel": "linear_cross_entropy's float32 chunk logits with a bfloat16 gradient, "
-                                      "16384-wide chunks: 16 spilled bytes (AOT check); the block of the swept "
-                                      "cross_entropy entry, not swept on its own",
-             "_attn_decode_kernel": "the decode plan's tiles of 16 rows at head dim 128 that write the output "
-                                    "directly (one chunk): 8 spilled bytes a thread (AOT check); kept, on an H200 "
-                                    "B16 H32/8 Sq2 Skv2048 (one chunk) took 35.6 us, 36.0 with 8 warps and no "
-                                    "spill"},
+    "sm90": _SPILLS_SM90,
+    "sm90-hbm3e": {**_SPILLS_SM90,
+                   "_attn_decode_kernel": "the decode plan's tiles of 16 rows that write the output directly "
+                                          "(one chunk): 8 spilled bytes a thread at head dims 64 and 128 (AOT "
+                                          "check); kept, on an H200 B16 H32/8 Sq2 Skv2048 D128 (one chunk) took "
+                                          "35.6 us, 36.0 with 8 warps and no spill"},
 }
 """Register spills accepted per arch (`python -m kpt_triton.aot`), by Triton kernel name, with the reason."""

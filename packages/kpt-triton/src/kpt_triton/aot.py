@@ -63,6 +63,7 @@ TARGETS: dict[str, Target] = {
     "gfx1201": Target(GPUTarget("hip", "gfx1201", 32), 65536, 64),  # RX 9070 XT
     "sm80": Target(GPUTarget("cuda", 80, 32), 166912, 108, sm_shared=167936),  # A100
     "sm90": Target(GPUTarget("cuda", 90, 32), 232448, 132, sm_shared=233472),  # H100 SXM
+    "sm90-hbm3e": Target(GPUTarget("cuda", 90, 32), 232448, 132, sm_shared=233472),  # H200 SXM
 }
 """By the arch tags of the backends' tuning tables."""
 
