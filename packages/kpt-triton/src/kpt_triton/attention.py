@@ -500,7 +500,7 @@ class Decode(NamedTuple):
       long as the first), at most `MAX_SPLITS`.
 
     The portable defaults were the fastest of 16 plans on an H100 under an earlier rule that took
-    the ceiling of the wave; kpt-cuda's H200 plan was swept on an H200 (``benchmarks/``).
+    the ceiling of the wave; kpt-cuda's plan for the H200 was swept there (``benchmarks/``).
     """
 
     rows: int = 128
