@@ -61,9 +61,10 @@ def available() -> bool:
             and hasattr(_aten, "_scaled_dot_product_flash_attention"))
 
 
-def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backward: bool = False) -> str | None:
+def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backward: bool = False,
+             decode: portable.Decode = portable.PORTABLE_DECODE) -> str | None:
     """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "flash", or None
-    where the portable kernels run the call (its decode kernel among them)."""
+    where the portable kernels run the call (its decode kernel with the plan ``decode`` among them)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
@@ -73,7 +74,7 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "cudnn" if sq == skv > 1 and d <= CUDNN_MAX_BACKWARD_HEAD_DIM else "flash"
     if sq == skv or sq == 1:
         return "cudnn"
-    if portable.decodes(q, k):
+    if portable.decodes(q, k, plan=decode):
         return None
     # cuDNN does not split the keys of a short query: it wins only with query tiles for every SM
     if b * hq * -(-sq // CUDNN_QUERY_TILE) < _multiprocessors(q.device):
@@ -138,7 +139,7 @@ def attention_fwd(q, k, v, causal, scale, *, decode: portable.Decode = portable.
                   **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
     (the decode kernel's plan among them, `kpt_cuda.tuning`) it passes on when it hands a call over."""
-    library = _library(q, k, causal, scale)
+    library = _library(q, k, causal, scale, decode=decode)
     if library is None:
         return portable.attention_fwd(q, k, v, causal, scale, decode=decode, **tuning)
     causal = causal and q.shape[2] > 1

@@ -55,6 +55,8 @@ class Target:
     sm_shared: int = 0
 
 
+_SM90 = Target(GPUTarget("cuda", 90, 32), 232448, 132, sm_shared=233472)
+
 TARGETS: dict[str, Target] = {
     "gfx90a": Target(GPUTarget("hip", "gfx90a", 64), 65536, 110),  # MI250X (one die)
     "gfx942": Target(GPUTarget("hip", "gfx942", 64), 65536, 304),  # MI300X
@@ -62,8 +64,8 @@ TARGETS: dict[str, Target] = {
     "gfx1100": Target(GPUTarget("hip", "gfx1100", 32), 65536, 96),  # RX 7900 XTX
     "gfx1201": Target(GPUTarget("hip", "gfx1201", 32), 65536, 64),  # RX 9070 XT
     "sm80": Target(GPUTarget("cuda", 80, 32), 166912, 108, sm_shared=167936),  # A100
-    "sm90": Target(GPUTarget("cuda", 90, 32), 232448, 132, sm_shared=233472),  # H100 SXM
-    "sm90-hbm3e": Target(GPUTarget("cuda", 90, 32), 232448, 132, sm_shared=233472),  # H200 SXM
+    "sm90": _SM90,  # H100 SXM
+    "sm90-hbm3e": _SM90,  # H200 SXM: the same multiprocessors
 }
 """By the arch tags of the backends' tuning tables."""
 
