@@ -248,9 +248,10 @@ class Check:
         if t.dtype not in allowed:
             names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
             raise self.fail(arg, f"has dtype {t.dtype}; expected one of: {names}")
-        if ndim is not None and t.dim() != ndim:
+        rank = t.dim()
+        if ndim is not None and rank != ndim:
             raise self.fail(arg, f"must have {ndim} dimensions, got shape {tuple(t.shape)}")
-        if t.dim() < min_ndim:
+        if rank < min_ndim:
             raise self.fail(arg, f"must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
         return t
 
@@ -264,7 +265,8 @@ class Check:
         return t
 
     def shape(self, arg: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
-        if tuple(t.shape) != tuple(expected):
+        """``t`` has the shape ``expected`` (a tuple or a ``torch.Size``)."""
+        if t.shape != expected:
             raise self.fail(arg, f"has shape {tuple(t.shape)}; expected {tuple(expected)}")
 
     def same_dtype(self, arg: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:

@@ -129,8 +129,9 @@ def _fused_layout(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the fused kernels read it: the last dimension contiguous, the data and every other
     stride 16-byte aligned; else a contiguous copy. (A view at an odd storage offset made cuDNN and
     FlashAttention-2 fault with "misaligned address" on an H100, which ends the CUDA context.)"""
-    vector = 16 // t.element_size()
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % vector == 0 for s in t.stride()[:-1]):
+    b, h, s, d = t.stride()
+    # the vector (8 or 4 elements) is a power of two: the strides are all its multiples when their OR is
+    if d == 1 and t.data_ptr() % 16 == 0 and (b | h | s) % (16 // t.element_size()) == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

@@ -562,7 +562,7 @@ def attention_fwd(
     if o.numel() == 0:
         return o, lse
     block_d, t = _tiles(D, q.dtype, tiles, backward=False)
-    if decodes(q, k, tiles, decode):
+    if _decodes(q, k, block_d, t, decode):
         return _decode(q, k, v, o, lse, causal, scale, block_d, t, decode, dot_precision(q.dtype, fp32_precision))
     # with a causal mask and more than one query, some keys are hidden from some queries
     last = torch.empty((B, Hkv, D), dtype=torch.int32, device=q.device) if causal and Sq > 1 else None
@@ -588,10 +588,15 @@ def decodes(q: torch.Tensor, k: torch.Tensor, tiles: TilesByHeadDim | None = Non
             plan: Decode = PORTABLE_DECODE) -> bool:
     """Whether `attention_fwd` runs the call with the decode kernel: keys to read, and few queries
     of one KV head (its group's query heads × Sq; `Decode`)."""
-    B, Hq, Sq, D = q.shape
-    block_d, t = _tiles(D, q.dtype, tiles, backward=False)
-    rows = max(t.block_m, plan.rows) if _planned(q.dtype, block_d) else t.block_m
-    return k.shape[2] > 0 and Hq // k.shape[1] * Sq <= rows
+    block_d, t = _tiles(q.shape[3], q.dtype, tiles, backward=False)
+    return _decodes(q, k, block_d, t, plan)
+
+
+def _decodes(q: torch.Tensor, k: torch.Tensor, block_d: int, tiles: Tiles, plan: Decode) -> bool:
+    """`decodes`, given the padded head dim and the forward's tiles."""
+    _, Hkv, Skv, _ = k.shape
+    rows = max(tiles.block_m, plan.rows) if _planned(q.dtype, block_d) else tiles.block_m
+    return Skv > 0 and q.shape[1] // Hkv * q.shape[2] <= rows
 
 
 def _planned(dtype: torch.dtype, block_d: int) -> bool:

@@ -85,7 +85,7 @@ def _check_gated(c: Check, gate: object, up: object) -> None:
     gate = c.tensor("gate", gate, min_ndim=1)
     up = c.tensor("up", up)
     c.same_dtype("up", up, gate, "gate")
-    c.shape("up", up, tuple(gate.shape))
+    c.shape("up", up, gate.shape)
     c.same_device("up", up, gate)
 
 

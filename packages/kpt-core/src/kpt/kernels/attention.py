@@ -57,13 +57,13 @@ def validate_attention(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     for name, t in (("k", k), ("v", v)):
         c.same_dtype(name, t, q, "q")
         c.same_device(name, t, q)
-    if k.shape[0] != batch or k.shape[3] != d:
-        raise c.fail("k", f"has shape {tuple(k.shape)}; expected [{batch}, Hkv, Skv, {d}] "
+    kb, hkv, _, kd = kshape = k.shape
+    if kb != batch or kd != d:
+        raise c.fail("k", f"has shape {tuple(kshape)}; expected [{batch}, Hkv, Skv, {d}] "
                           f"to match q {tuple(q.shape)}")
-    hkv = k.shape[1]
     if hkv == 0 or hq % hkv:
         raise c.fail("k", f"has {hkv} heads; expected a positive divisor of the {hq} query heads")
-    c.shape("v", v, tuple(k.shape))
+    c.shape("v", v, kshape)
     if not isinstance(a["causal"], bool):
         raise c.fail("causal", f"is {a['causal']!r}; expected a bool")
     if a["scale"] is None:

@@ -55,7 +55,7 @@ def validate_add_rms_norm(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     _check_norm_input(c, a["x"], a["weight"], a["eps"])
     c.tensor("residual", a["residual"])
     c.same_dtype("residual", a["residual"], a["x"], "x")
-    c.shape("residual", a["residual"], tuple(a["x"].shape))
+    c.shape("residual", a["residual"], a["x"].shape)
     c.same_device("residual", a["residual"], a["x"])
     return a
 

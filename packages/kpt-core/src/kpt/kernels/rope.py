@@ -50,7 +50,7 @@ def validate_rope(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     c.same_dtype("cos", cos, q, "q")
     c.same_device("cos", cos, q)
     sin = c.tensor("sin", a["sin"])
-    c.shape("sin", sin, tuple(cos.shape))
+    c.shape("sin", sin, cos.shape)
     c.same_dtype("sin", sin, q, "q")
     c.same_device("sin", sin, q)
     return a
