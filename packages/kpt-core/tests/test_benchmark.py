@@ -133,9 +133,11 @@ def test_attention_sweep_covers_the_issue_shapes() -> None:
     assert {d for d, in {(k["d"],) for k, _, _ in kws}} == {64, 128, 256}
     assert {dt for _, dt, _ in kws} == {torch.bfloat16, torch.float16}
     assert all(m == sweeps.FWD for k, _, m in kws if k["d"] == 256 or k["sq"] < k["skv"])
-    decode = [k for k, _, _ in kws if k["sq"] < k["skv"]]
+    decode = [k for k, _, _ in kws if k["sq"] < k["skv"] and k["sq"] <= 16]
     assert max(k["skv"] for k in decode) == 32768 and {(k["hq"], k["hkv"]) for k in decode} == {(32, 8), (32, 4)}
     assert {k["sq"] for k in decode} == {1, 8, 16}
+    prefill = [k for k, _, _ in kws if 16 < k["sq"] < k["skv"]]  # chunked prefill: bottom-right causal
+    assert {k["sq"] for k in prefill} == {512, 4096} and all(k["causal"] for k in prefill)
     assert all(p.peers == ("library",) for p in points)
 
 

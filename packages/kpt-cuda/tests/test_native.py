@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kpt
-from kpt_cuda import attention, linear, moe
+from kpt_cuda import attention, linear, moe, tuning
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
@@ -26,9 +26,9 @@ def test_unfused_linear_matches_the_reference(activation, bias):
     assert pre.numel() == (0 if activation is None else y.numel())
 
 
-def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False, batch=1):
+def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False, batch=1, tiles=None):
     return attention._library(torch.empty(batch, 8, sq, d, dtype=dtype), torch.empty(batch, 2, skv, d, dtype=dtype),
-                              causal, scale, backward)
+                              causal, scale, backward, tiles=tiles)
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +52,14 @@ def test_attention_library_choice():
     assert _lib(64, 4096, True, batch=32) == "cudnn-mask"  # 32 x 8 tiles: cuDNN with kpt's mask
     assert _lib(64, 4096, False, batch=32) == "cudnn"
     assert _lib(64, 4092, True, batch=32) == "flash"  # the mask's rows would not be 16-byte aligned
+    # a causal chunk whose mask is too large to cache: the portable kernel where the arch gives it tiles
+    # and its 128-query tiles fill 3 waves (4 x 8 heads x 16 = 512 tiles), else FlashAttention-2
+    hopper = tuning.SM90_HBM3E["attention_fwd"]["tiles"]
+    assert _lib(2048, 8192, True, batch=4, tiles=hopper) is None
+    assert _lib(2048, 8192, True, batch=4) == "flash"
+    assert _lib(2048, 8192, True, batch=2, tiles=hopper) == "flash"  # 256 tiles
+    assert _lib(2048, 8192, True, batch=4, d=256, tiles=hopper) == "flash"  # no tiles for head dim 256
+    assert _lib(1024, 4096, True, batch=4, tiles=hopper) == "cudnn-mask"  # 1024 x 4096: the mask is cached
     assert _lib(64, 4096, True, batch=32, backward=True) == "flash"
     assert _lib(1, 1, False, backward=True) == "flash"  # cuDNN's backward refuses Sq = Skv = 1
     assert _lib(100, 10, True) is None  # queries that see no key: the portable kernel's zeros

@@ -13,7 +13,8 @@ PyTorch (the reference math in float32) needs on an 80 GB GPU, not by host memor
 * ``attention``: the B4 H32 S4096 D128, causal and not, 1K and 16K long, grouped-query
   ratios 4 and 8, head dims 64/128 (forward and backward) and 256 (forward), bf16 and fp16,
   and KV-cache decode (1 and 8 queries against up to 32K keys, 32 query heads, 8 KV heads; 16
-  queries against 8K keys, 4 KV heads).
+  queries against 8K keys, 4 KV heads), and chunked prefill (512 and 4096 queries against 8K and
+  16K keys).
 * ``linear``: ``linear`` with each activation at the Llama 3 8B MLP (8192×14336×4096 and token
   counts 1..16K), ``fp8_linear`` with row-wise scales, ``grouped_linear`` with 8 to 256 experts
   and uneven token counts.
@@ -207,6 +208,9 @@ def attention_sweep() -> list[Point]:
         for skv in (1024, 8192, 32768):
             add("decode", FWD, b=8 if skv < 32768 else 1, hkv=8, sq=sq, skv=skv, causal=True)
     add("decode gqa8", FWD, b=8, hkv=4, sq=16, skv=8192, causal=True)  # speculative, 128 query rows a KV head
+    # chunked prefill: a chunk of queries against the cache before it and itself (bottom-right causal)
+    add("prefill chunk", FWD, b=1, hkv=8, sq=512, skv=8192, causal=True)
+    add("prefill chunk", FWD, b=1, hkv=8, sq=4096, skv=16384, causal=True)
     return out
 
 

@@ -18,9 +18,12 @@ contract:
   against FlashAttention-2's 132; B8 H32/4 Sq16 Skv8192, 128 rows: 97 against 334). For one query
   cuDNN stays level or slightly ahead of it (51.8 against 52.0–52.9 µs at B1 H32/8 Skv32768).
 * other lengths (chunked prefill): cuDNN where the queries fill every multiprocessor with tiles of
-  `CUDNN_QUERY_TILE`, causal ones with kpt's mask passed as an additive bias; otherwise
-  FlashAttention-2, whose causal mask is aligned bottom-right like kpt's and which splits a long
-  KV length for a short query.
+  `CUDNN_QUERY_TILE`, causal ones with kpt's mask passed as an additive bias; a causal call whose
+  mask is too large to cache runs the portable kernel where the arch's tuning gives it Hopper tiles
+  and its query tiles fill `PORTABLE_WAVES` waves (on an H200, 128 × 128 tiles in 8 warps: 1.14 to
+  1.38× FlashAttention-2 at 512 to 4096 such tiles, 0.98× at 256); otherwise FlashAttention-2,
+  whose causal mask is aligned bottom-right like kpt's and which splits a long KV length for a
+  short query.
 * The backward is cuDNN's for equal lengths (up to `CUDNN_MAX_BACKWARD_HEAD_DIM`; cuDNN refuses a
   single query and key) and FlashAttention-2's otherwise; both read the forward's ``(o, lse)``,
   whichever kernel computed them.
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 
 from kpt_triton import attention as portable
+from kpt_triton.tiling import next_pow2
 
 from . import device
 
@@ -49,7 +53,10 @@ CUDNN_QUERY_TILE = 128
 """Queries per cuDNN work tile (an estimate: what decides between cuDNN and FlashAttention-2)."""
 MAX_MASK_ELEMENTS = 1 << 22
 """The largest causal mask band cached for cuDNN (8 MiB in 16 bits, `_causal_mask`); longer calls go
-to FlashAttention-2."""
+to the portable kernel or FlashAttention-2."""
+PORTABLE_WAVES = 3
+"""Waves of query tiles over the multiprocessors from which a long causal chunk runs the portable
+kernel with the arch's tiles rather than FlashAttention-2."""
 
 _aten = torch.ops.aten
 
@@ -62,9 +69,11 @@ def available() -> bool:
 
 
 def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backward: bool = False,
-             decode: portable.Decode = portable.PORTABLE_DECODE) -> str | None:
+             decode: portable.Decode = portable.PORTABLE_DECODE,
+             tiles: portable.TilesByHeadDim | None = None) -> str | None:
     """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "flash", or None
-    where the portable kernels run the call (its decode kernel with the plan ``decode`` among them)."""
+    where the portable kernels run the call (its decode kernel with the plan ``decode`` among them,
+    its forward with the arch's ``tiles``)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
@@ -81,7 +90,12 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "flash"
     if not causal:
         return "cudnn"
-    return "cudnn-mask" if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS else "flash"
+    if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS:
+        return "cudnn-mask"
+    hopper = (tiles or {}).get(max(16, next_pow2(d)))
+    if hopper is not None and b * hq * -(-sq // hopper.block_m) >= PORTABLE_WAVES * _multiprocessors(q.device):
+        return None
+    return "flash"
 
 
 def _multiprocessors(dev: torch.device) -> int:
@@ -137,12 +151,13 @@ def _fused_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention_fwd(q, k, v, causal, scale, *, decode: portable.Decode = portable.PORTABLE_DECODE,
-                  **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                  tiles: portable.TilesByHeadDim | None = None, **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
-    (the decode kernel's plan among them, `kpt_cuda.tuning`) it passes on when it hands a call over."""
-    library = _library(q, k, causal, scale, decode=decode)
+    (the decode kernel's plan and the forward's tiles among them, `kpt_cuda.tuning`) it passes on
+    when it hands a call over."""
+    library = _library(q, k, causal, scale, decode=decode, tiles=tiles)
     if library is None:
-        return portable.attention_fwd(q, k, v, causal, scale, decode=decode, **tuning)
+        return portable.attention_fwd(q, k, v, causal, scale, decode=decode, tiles=tiles, **tuning)
     causal = causal and q.shape[2] > 1
     q, k, v = (_fused_layout(t) for t in (q, k, v))
     if library == "cudnn":

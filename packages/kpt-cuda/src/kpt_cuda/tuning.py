@@ -18,7 +18,7 @@ since swept on hardware, below):
 
 from __future__ import annotations
 
-from kpt_triton.attention import Decode
+from kpt_triton.attention import Decode, Tiles
 from kpt_triton.backend import Table
 
 _ROW_SM90 = {"tile_elems": 4096, "elems_per_warp": 512}
@@ -77,7 +77,11 @@ SM90_HBM3E: Table = {**SM90, "layer_norm_fwd": {"tile_elems": 4096, "elems_per_w
                      # attention sweep's multi-query decode shapes, 1.3x the portable plan at B8 H32/8
                      # Sq8 Skv8192 (70.5 against 87.0 us). Not swept on an H100, which keeps the portable plan.
                      "attention_fwd": {"decode": Decode(block_n=128, num_stages=3, programs_per_sm=1,
-                                                        split_keys=512, wide_warps=8)},
+                                                        split_keys=512, wide_warps=8),
+                                       # the forward's tiles where kpt-cuda runs it (`kpt_cuda.attention`): on an
+                                       # H200 the best of 6-9 tiles at B4 H32 S4096 D128 and B8 H32 S1024 D64,
+                                       # 1.5-2.3x the portable ones (D128 causal 393 against 252 TFLOP/s)
+                                       "tiles": {64: Tiles(128, 64, 8, 3), 128: Tiles(128, 128, 8, 3)}},
                      # the sixth (H100) sweep's entries, not measured on an H200: the earlier ones
                      "layer_norm_bwd": {**_ROW_SM90, "programs_per_sm": 4},
                      "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True},
