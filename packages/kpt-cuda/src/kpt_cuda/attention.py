@@ -83,7 +83,7 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "cudnn" if sq == skv > 1 and d <= CUDNN_MAX_BACKWARD_HEAD_DIM else "flash"
     if sq == skv or sq == 1:
         return "cudnn"
-    if portable.decodes(q, k, plan=decode):
+    if portable.decodes(q, k, tiles, plan=decode):
         return None
     # cuDNN does not split the keys of a short query: it wins only with query tiles for every SM
     if b * hq * -(-sq // CUDNN_QUERY_TILE) < _multiprocessors(q.device):
