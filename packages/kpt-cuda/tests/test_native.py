@@ -103,6 +103,9 @@ def test_fused_kernels_get_aligned_views():
     assert attention._fused_layout(padded).data_ptr() % 16 == 0
     heads = torch.randn(2, 16, 4, 64).bfloat16().transpose(1, 2)  # [B, S, H, D] as [B, H, S, D]
     assert attention._fused_layout(heads) is heads
+    # aligned data and rows, but batches 4 elements (8 bytes) further apart than the heads fill
+    skewed = torch.randn(2 * (4 * 16 * 64 + 4)).bfloat16().as_strided((2, 4, 16, 64), (4 * 16 * 64 + 4, 16 * 64, 64, 1))
+    assert attention._fused_layout(skewed).is_contiguous()
 
 
 @pytest.mark.skipif(not attention.available(), reason="needs a Hopper GPU (cuDNN and FlashAttention-2)")
