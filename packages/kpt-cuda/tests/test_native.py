@@ -26,9 +26,9 @@ def test_unfused_linear_matches_the_reference(activation, bias):
     assert pre.numel() == (0 if activation is None else y.numel())
 
 
-def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False, batch=1, tiles=None):
+def _lib(sq, skv, causal, d=128, dtype=torch.bfloat16, scale=0.1, backward=False, batch=1, tiles=None, ws=None):
     return attention._library(torch.empty(batch, 8, sq, d, dtype=dtype), torch.empty(batch, 2, skv, d, dtype=dtype),
-                              causal, scale, backward, tiles=tiles)
+                              causal, scale, backward, tiles=tiles, warp_specialized=ws)
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +60,18 @@ def test_attention_library_choice():
     assert _lib(2048, 8192, True, batch=2, tiles=hopper) == "flash"  # 256 tiles
     assert _lib(2048, 8192, True, batch=4, d=256, tiles=hopper) == "flash"  # no tiles for head dim 256
     assert _lib(1024, 4096, True, batch=4, tiles=hopper) == "cudnn-mask"  # 1024 x 4096: the mask is cached
+    # where the arch has a plan for it, kpt's warp-specialized forward takes those chunks at head dim 128
+    ws = tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]
+    assert _lib(2048, 8192, True, batch=4, tiles=hopper, ws=ws) == "warp-specialized"
+    assert _lib(2048, 8192, True, batch=2, tiles=hopper, ws=ws) == "warp-specialized"  # 256 tiles
+    assert _lib(2048, 8192, True, batch=4, dtype=torch.float16, ws=ws) == "warp-specialized"
+    assert _lib(2048, 8192, True, batch=4, d=64, tiles=hopper, ws=ws) is None  # the portable tiles at 64
+    assert _lib(2048, 8192, True, batch=4, d=256, tiles=hopper, ws=ws) == "flash"
+    assert _lib(1024, 16384, True, batch=2, ws=ws) == "flash"  # 128 tiles: FlashAttention splits the keys
+    assert _lib(1024, 4096, True, batch=4, ws=ws) == "cudnn-mask"
+    assert _lib(2048, 8192, False, batch=4, ws=ws) == "cudnn"
+    assert _lib(2048, 8192, True, batch=4, dtype=torch.float32, ws=ws) is None
+    assert _lib(2048, 8192, True, batch=4, ws=ws, backward=True) == "flash"  # its backward reads (o, lse)
     assert _lib(64, 4096, True, batch=32, backward=True) == "flash"
     assert _lib(1, 1, False, backward=True) == "flash"  # cuDNN's backward refuses Sq = Skv = 1
     assert _lib(100, 10, True) is None  # queries that see no key: the portable kernel's zeros
@@ -164,3 +176,29 @@ def test_grouped_linear_in_the_library_matches_the_reference():
     kpt.get_backend("reference").grouped_linear(xd, oc, wd).backward(dyc.double())
     torch.testing.assert_close(dx.cpu().double(), xd.grad, rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(dw.cpu().double(), wd.grad, rtol=2e-2, atol=5e-2)
+
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("sq", "skv", "spill"), [(512, 4096, 0), (300, 1000, 32)], ids=["aligned", "odd"])
+def test_warp_specialized_forward_compiles_for_hopper(causal, dtype, sq, skv, spill):
+    """The Hopper forward (Gluon) compiles for sm_90a here, within the shared memory one block may use,
+    with no spill at lengths that are multiples of 16 (Triton specializes them) and at most ``spill``
+    bytes a thread otherwise (20 in the causal form: its index arithmetic). Checked ahead of time,
+    since it runs only on a Hopper GPU, in a process without the interpreter these tests run Triton in."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("compile_hopper.py")
+    out = subprocess.run([sys.executable, str(script), str(causal), dtype, str(sq), str(skv)], capture_output=True,
+                         text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["setmaxnreg"] >= 2  # the consumers take the registers the producer gives up
+    assert result["registers"] > 0
+    assert result["spills"] <= spill
+    assert 0 < result["shared"] <= 232448

@@ -37,9 +37,19 @@ a zero ``scale`` (where the fused kernels return NaN), queries that see no key (
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kpt_triton import attention as portable
 from kpt_triton.tiling import next_pow2
@@ -58,6 +68,26 @@ PORTABLE_WAVES = 3
 """Waves of query tiles over the multiprocessors from which a long causal chunk runs the portable
 kernel with the arch's tiles rather than FlashAttention-2."""
 
+WS_HEAD_DIM = 128
+"""The head dimension of the warp-specialized forward (at 64 it measured slower than cuDNN)."""
+WS_ROWS = 64
+"""Query rows per consumer warpgroup; a program's tile is two of them."""
+WS_BLOCK_N = 128
+"""Keys per step of the warp-specialized forward."""
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension (batch × heads of the warp-specialized forward)."""
+LOG2E = 1.4426950408889634
+
+
+class WarpSpecialized(NamedTuple):
+    """A plan for the warp-specialized forward (`_attn_fwd_ws`): K/V ring slots, and the registers per
+    thread of the two consumer warpgroups and of the producer warp (``setmaxnreg``)."""
+
+    stages: int = 2
+    consumer_regs: int = 240
+    producer_regs: int = 24
+
+
 _aten = torch.ops.aten
 
 
@@ -70,10 +100,12 @@ def available() -> bool:
 
 def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backward: bool = False,
              decode: portable.Decode = portable.PORTABLE_DECODE,
-             tiles: portable.TilesByHeadDim | None = None) -> str | None:
-    """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "flash", or None
-    where the portable kernels run the call (its decode kernel with the plan ``decode`` among them,
-    its forward with the arch's ``tiles``)."""
+             tiles: portable.TilesByHeadDim | None = None,
+             warp_specialized: WarpSpecialized | None = None) -> str | None:
+    """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "flash",
+    "warp-specialized" (kpt's Hopper forward, where the arch's tuning gives it a ``warp_specialized``
+    plan), or None where the portable kernels run the call (its decode kernel with the plan ``decode``
+    among them, its forward with the arch's ``tiles``)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
@@ -92,6 +124,8 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "cudnn"
     if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS:
         return "cudnn-mask"
+    if warp_specialized is not None and d == WS_HEAD_DIM and b * hq <= MAX_GRID_Y:
+        return "warp-specialized"
     hopper = (tiles or {}).get(max(16, next_pow2(d)))
     if hopper is not None and b * hq * -(-sq // hopper.block_m) >= PORTABLE_WAVES * _multiprocessors(q.device):
         return None
@@ -150,16 +184,222 @@ def _fused_layout(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+# ------------------------------------------------------------------------------------------------
+# The warp-specialized forward (Gluon: Triton's lower-level language, which exposes Hopper's TMA
+# copies, mbarriers, asynchronous warpgroup MMA and warp specialization). One program per 128-query
+# tile and (batch, head): a 1-warp producer streams Q once and K, V through rings of `stages` slots
+# by TMA (4-D descriptors over [B, H, S, D]: a block past a head's end reads zeros, a store past it
+# is dropped); two 4-warp consumers take 64 rows each. In every step a consumer issues block j's
+# scores S_j = Q K_j^T and block j-1's P V together, then runs S_j's online softmax while P V is on
+# the tensor cores (FlashAttention-3's intra-warpgroup overlap). Only blocks that reach past the
+# causal diagonal or the last key are masked.
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready,
+                 b, h, kv_h, q_row, n_blocks, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    for w in gl.static_range(2):
+        mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_row + w * ROWS, 0], q_ready.index(w), q_smem.index(w))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        free = ((j // STAGES) & 1) ^ 1  # a slot's first use waits on nothing
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_softmax(s, m_i, l_i, MASKED: gl.constexpr, CAUSAL: gl.constexpr, rows, cols, off, Skv, qk_scale):
+    """Online softmax of one block of raw scores, the scale folded into the exponent's FMA:
+    ``(p, alpha, m, l)``, m in log2 units. A masked block hides keys past the last and, causal, keys
+    j > i + off."""
+    if MASKED:
+        keep = cols[None, :] < Skv
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + off)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, zero_s, j,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, rows, offs_n, off, Skv, qk_scale, STAGES: gl.constexpr,
+             p_layout: gl.constexpr, row_o: gl.constexpr):
+    """Key block j: its scores are issued with block j-1's P V, then softmaxed while P V runs."""
+    BLOCK_N: gl.constexpr = k_smem.type.shape[3]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
+    slot = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout), v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]),
+                        acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; P V may still run
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, MASKED, CAUSAL, rows, j * BLOCK_N + offs_n, off, Skv, qk_scale)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    return p, alpha, m_i, l_i, acc
+
+
+@gluon.jit
+def _ws_consumer(o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, LSE,
+                 b, h, Hq, Sq, Skv, off, q_row, n_blocks, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                 STAGES: gl.constexpr):
+    ROWS: gl.constexpr = q_smem.type.shape[3]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[3]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q = q_smem.index(WG).reshape([ROWS, HEAD_DIM])
+    first = q_row + WG * ROWS
+    rows = first + gl.arange(0, ROWS, layout=row_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # the blocks whose every key every row of this warpgroup sees run unmasked
+    if CAUSAL:
+        n_full = gl.minimum(first + off + 1, Skv) // BLOCK_N
+    else:
+        n_full = Skv // BLOCK_N
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    mbarrier.wait(q_ready.index(WG), 0)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    # every row sees key 0 (off >= 0): the row maxima are finite from the first block on
+    if n_full == 0:
+        p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, True, CAUSAL, rows, offs_n, off, Skv, qk_scale)
+    else:
+        p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, False, CAUSAL, rows, offs_n, off, Skv, qk_scale)
+    for j in range(1, n_full):
+        p, alpha, m_i, l_i, acc = _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i,
+                                           acc, zero_s, j, False, CAUSAL, rows, offs_n, off, Skv, qk_scale, STAGES,
+                                           p_layout, row_o)
+    for j in range(gl.maximum(n_full, 1), n_blocks):
+        p, alpha, m_i, l_i, acc = _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i,
+                                           acc, zero_s, j, True, CAUSAL, rows, offs_n, off, Skv, qk_scale, STAGES,
+                                           p_layout, row_o)
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
+                        acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    o = acc / gl.convert_layout(l_i, row_o)[:, None]
+    gl.store(LSE + (b * Hq + h) * Sq + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < Sq)
+    q.store(o.to(dtype))  # Q's slot is free: every product that read it has finished
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, first, 0], q_smem.index(WG))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, Hq, GROUP, Sq, Skv, qk_scale, CAUSAL: gl.constexpr,
+                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    q_row = gl.program_id(0) * 2 * ROWS
+    b = gl.program_id(1) // Hq
+    h = gl.program_id(1) % Hq
+    off = Skv - Sq  # bottom-right causal: query i sees keys j <= i + off
+    if CAUSAL:
+        n_blocks = gl.cdiv(gl.minimum(q_row + 2 * ROWS + off, Skv), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(Skv, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+
+    gl.warp_specialize([
+        (_ws_consumer, (o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, LSE,
+                        b, h, Hq, Sq, Skv, off, q_row, n_blocks, qk_scale, 0, CAUSAL, STAGES)),
+        (_ws_consumer, (o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, LSE,
+                        b, h, Hq, Sq, Skv, off, q_row, n_blocks, qk_scale, 1, CAUSAL, STAGES)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready,
+                        b, h, h // GROUP, q_row, n_blocks, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@functools.lru_cache(maxsize=8)
+def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> Any:
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over ``t`` [B, H, S, D] (`_fused_layout`'s alignment) in blocks of ``rows`` × D."""
+    d = t.shape[3]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
+
+
+def warp_specialized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                         plan: WarpSpecialized) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` from the warp-specialized forward: 16-bit [B, H, S, D] inputs laid out as `_fused_layout`
+    leaves them, head dim `WS_HEAD_DIM`, a causal mask aligned bottom-right (``Sq <= Skv``)."""
+    b, hq, sq, d = q.shape
+    o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    descriptors = (_descriptor(q, WS_ROWS), _descriptor(k, WS_BLOCK_N), _descriptor(v, WS_BLOCK_N),
+                   _descriptor(o, WS_ROWS))
+    _attn_fwd_ws[(-(-sq // (2 * WS_ROWS)), b * hq)](
+        *descriptors, lse, hq, hq // k.shape[1], sq, k.shape[2], scale * LOG2E, CAUSAL=causal, STAGES=plan.stages,
+        CONSUMER_REGS=plan.consumer_regs, PRODUCER_REGS=plan.producer_regs, num_warps=4)
+    return o, lse
+
+
 def attention_fwd(q, k, v, causal, scale, *, decode: portable.Decode = portable.PORTABLE_DECODE,
-                  tiles: portable.TilesByHeadDim | None = None, **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                  tiles: portable.TilesByHeadDim | None = None, warp_specialized: WarpSpecialized | None = None,
+                  **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
     (the decode kernel's plan and the forward's tiles among them, `kpt_cuda.tuning`) it passes on
-    when it hands a call over."""
-    library = _library(q, k, causal, scale, decode=decode, tiles=tiles)
+    when it hands a call over; ``warp_specialized`` is the arch's plan for kpt's Hopper forward."""
+    library = _library(q, k, causal, scale, decode=decode, tiles=tiles, warp_specialized=warp_specialized)
     if library is None:
         return portable.attention_fwd(q, k, v, causal, scale, decode=decode, tiles=tiles, **tuning)
     causal = causal and q.shape[2] > 1
     q, k, v = (_fused_layout(t) for t in (q, k, v))
+    if library == "warp-specialized":
+        return warp_specialized_fwd(q, k, v, causal, scale, warp_specialized)
     if library == "cudnn":
         o, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     elif library == "cudnn-mask":

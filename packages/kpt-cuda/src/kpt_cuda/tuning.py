@@ -21,6 +21,8 @@ from __future__ import annotations
 from kpt_triton.attention import Decode, Tiles
 from kpt_triton.backend import Table
 
+from .attention import WarpSpecialized
+
 _ROW_SM90 = {"tile_elems": 4096, "elems_per_warp": 512}
 _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 
@@ -81,7 +83,11 @@ SM90_HBM3E: Table = {**SM90, "layer_norm_fwd": {"tile_elems": 4096, "elems_per_w
                                        # the forward's tiles where kpt-cuda runs it (`kpt_cuda.attention`): on an
                                        # H200 the best of 6-9 tiles at B4 H32 S4096 D128 and B8 H32 S1024 D64,
                                        # 1.5-2.3x the portable ones (D128 causal 393 against 252 TFLOP/s)
-                                       "tiles": {64: Tiles(128, 64, 8, 3), 128: Tiles(128, 128, 8, 3)}},
+                                       "tiles": {64: Tiles(128, 64, 8, 3), 128: Tiles(128, 128, 8, 3)},
+                                       # kpt's Hopper forward where cuDNN cannot take kpt's causal mask
+                                       # (`kpt_cuda.attention`): on an H200 (2026-11-29) 1.2-1.9x
+                                       # FlashAttention-2 at chunked-prefill shapes of 256 tiles and more
+                                       "warp_specialized": WarpSpecialized(stages=2)},
                      # the sixth (H100) sweep's entries, not measured on an H200: the earlier ones
                      "layer_norm_bwd": {**_ROW_SM90, "programs_per_sm": 4},
                      "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True},
