@@ -68,7 +68,8 @@ def test_attention_library_choice():
     assert _lib(2048, 8192, True, batch=4, d=64, tiles=hopper, ws=ws) is None  # the portable tiles at 64
     assert _lib(2048, 8192, True, batch=4, d=256, tiles=hopper, ws=ws) == "flash"
     assert _lib(1024, 16384, True, batch=2, ws=ws) == "flash"  # 128 tiles: FlashAttention splits the keys
-    assert _lib(1024, 4096, True, batch=4, ws=ws) == "cudnn-mask"
+    assert _lib(1024, 4096, True, batch=4, ws=ws) == "warp-specialized"  # before cuDNN with kpt's mask
+    assert _lib(1024, 4096, True, batch=4, d=64, ws=ws) == "cudnn-mask"
     assert _lib(2048, 8192, False, batch=4, ws=ws) == "cudnn"
     assert _lib(2048, 8192, True, batch=4, dtype=torch.float32, ws=ws) is None
     assert _lib(2048, 8192, True, batch=4, ws=ws, backward=True) == "flash"  # its backward reads (o, lse)

@@ -1,11 +1,12 @@
-"""Vendor-native attention on Hopper: NVIDIA's fused kernels (cuDNN, FlashAttention-2) through PyTorch.
+"""Vendor-native attention on Hopper: NVIDIA's fused kernels (cuDNN, FlashAttention-2) through
+PyTorch, and kpt's own warp-specialized forward.
 
 On an H100 the portable Triton kernel (``kpt_triton.attention``) reaches about half of cuDNN's
 forward rate and a fifth of its backward's (B4 H32 S4096 D128 bf16 causal: 276 against 558
-TFLOP/s, 13.9 against 3.0 ms; ``benchmarks/``). Until kpt has a Hopper kernel of its own (wgmma,
-TMA, warp specialization), kpt-cuda calls the fastest kernels PyTorch ships, forward and backward,
-through the ATen operators that ``F.scaled_dot_product_attention`` dispatches to, and keeps kpt's
-contract:
+TFLOP/s, 13.9 against 3.0 ms; ``benchmarks/``). kpt-cuda calls the fastest kernels PyTorch ships,
+forward and backward, through the ATen operators that ``F.scaled_dot_product_attention``
+dispatches to, and keeps kpt's contract; where those cannot take kpt's causal mask at speed it runs
+its own Hopper forward (`warp_specialized_fwd`: Gluon, TMA, warpgroup MMA, warp specialization):
 
 * ``Sq == Skv``: cuDNN. Its causal mask is aligned top-left, which equals kpt's bottom-right
   alignment only when the query and key lengths agree.
@@ -17,13 +18,15 @@ contract:
   H32/8 Sq8 Skv8192: 106 µs, where cuDNN with kpt's mask took 326; B1 H32/8 Sq8 Skv32768: 56
   against FlashAttention-2's 132; B8 H32/4 Sq16 Skv8192, 128 rows: 97 against 334). For one query
   cuDNN stays level or slightly ahead of it (51.8 against 52.0–52.9 µs at B1 H32/8 Skv32768).
-* other lengths (chunked prefill): cuDNN where the queries fill every multiprocessor with tiles of
-  `CUDNN_QUERY_TILE`, causal ones with kpt's mask passed as an additive bias; a causal call whose
-  mask is too large to cache runs the portable kernel where the arch's tuning gives it Hopper tiles
-  and its query tiles fill `PORTABLE_WAVES` waves (on an H200, 128 × 128 tiles in 8 warps: 1.14 to
-  1.38× FlashAttention-2 at 512 to 4096 such tiles, 0.98× at 256); otherwise FlashAttention-2,
-  whose causal mask is aligned bottom-right like kpt's and which splits a long KV length for a
-  short query.
+* other lengths (chunked prefill): FlashAttention-2, whose causal mask is aligned bottom-right like
+  kpt's and which splits a long KV length for a short query, where the queries do not fill every
+  multiprocessor with tiles of `CUDNN_QUERY_TILE`; otherwise cuDNN without a mask, and causal
+  calls (i) at head dim `WS_HEAD_DIM` kpt's warp-specialized forward where the arch's tuning has a
+  plan for it (on an H200: 1.8 to 2.1× FlashAttention-2 from 160 to 4096 tiles, where cuDNN with
+  kpt's mask as a bias ties FlashAttention-2), (ii) else cuDNN with the mask where it is small
+  enough to cache, (iii) else the portable kernel where the arch's tuning gives it Hopper tiles and
+  its query tiles fill `PORTABLE_WAVES` waves (on an H200, 1.14 to 1.38× FlashAttention-2 at 512
+  to 4096 such tiles, 0.98× at 256), (iv) else FlashAttention-2.
 * The backward is cuDNN's for equal lengths (up to `CUDNN_MAX_BACKWARD_HEAD_DIM`; cuDNN refuses a
   single query and key) and FlashAttention-2's otherwise; both read the forward's ``(o, lse)``,
   whichever kernel computed them.
@@ -122,10 +125,10 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "flash"
     if not causal:
         return "cudnn"
-    if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS:
-        return "cudnn-mask"
     if warp_specialized is not None and d == WS_HEAD_DIM and b * hq <= MAX_GRID_Y:
         return "warp-specialized"
+    if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS:
+        return "cudnn-mask"
     hopper = (tiles or {}).get(max(16, next_pow2(d)))
     if hopper is not None and b * hq * -(-sq // hopper.block_m) >= PORTABLE_WAVES * _multiprocessors(q.device):
         return None
