@@ -60,16 +60,19 @@ def test_attention_library_choice():
     assert _lib(2048, 8192, True, batch=2, tiles=hopper) == "flash"  # 256 tiles
     assert _lib(2048, 8192, True, batch=4, d=256, tiles=hopper) == "flash"  # no tiles for head dim 256
     assert _lib(1024, 4096, True, batch=4, tiles=hopper) == "cudnn-mask"  # 1024 x 4096: the mask is cached
-    # where the arch has a plan for it, kpt's warp-specialized forward takes those chunks at head dim 128
+    # where the arch has a plan for it, kpt's warp-specialized forward takes causal chunks at head dim 128
+    # that fill half the multiprocessors with tiles and each with 40 blocks of 128 x 128 visible pairs
     ws = tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]
     assert _lib(2048, 8192, True, batch=4, tiles=hopper, ws=ws) == "warp-specialized"
     assert _lib(2048, 8192, True, batch=2, tiles=hopper, ws=ws) == "warp-specialized"  # 256 tiles
     assert _lib(2048, 8192, True, batch=4, dtype=torch.float16, ws=ws) == "warp-specialized"
-    assert _lib(2048, 8192, True, batch=4, d=64, tiles=hopper, ws=ws) is None  # the portable tiles at 64
-    assert _lib(2048, 8192, True, batch=4, d=256, tiles=hopper, ws=ws) == "flash"
-    assert _lib(1024, 16384, True, batch=2, ws=ws) == "flash"  # 128 tiles: FlashAttention splits the keys
+    assert _lib(1024, 16384, True, batch=2, ws=ws) == "warp-specialized"  # 128 tiles, 120 blocks an SM
     assert _lib(1024, 4096, True, batch=4, ws=ws) == "warp-specialized"  # before cuDNN with kpt's mask
+    assert _lib(1024, 2048, True, batch=4, ws=ws) == "cudnn-mask"  # 256 tiles, 23 blocks an SM
+    assert _lib(512, 16384, True, batch=1, ws=ws) == "flash"  # 32 tiles: a quarter of the SMs
+    assert _lib(2048, 8192, True, batch=4, d=64, tiles=hopper, ws=ws) is None  # the portable tiles at 64
     assert _lib(1024, 4096, True, batch=4, d=64, ws=ws) == "cudnn-mask"
+    assert _lib(2048, 8192, True, batch=4, d=256, tiles=hopper, ws=ws) == "flash"
     assert _lib(2048, 8192, False, batch=4, ws=ws) == "cudnn"
     assert _lib(2048, 8192, True, batch=4, dtype=torch.float32, ws=ws) is None
     assert _lib(2048, 8192, True, batch=4, ws=ws, backward=True) == "flash"  # its backward reads (o, lse)

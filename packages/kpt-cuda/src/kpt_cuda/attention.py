@@ -78,17 +78,22 @@ WS_ROWS = 64
 WS_BLOCK_N = 128
 """Keys per step of the warp-specialized forward."""
 MAX_GRID_Y = 65535
-"""CUDA's limit on a grid's second dimension (batch × heads of the warp-specialized forward)."""
+"""CUDA's limit on a grid's second dimension (the query tiles of the warp-specialized forward)."""
 LOG2E = 1.4426950408889634
 
 
 class WarpSpecialized(NamedTuple):
-    """A plan for the warp-specialized forward (`_attn_fwd_ws`): K/V ring slots, and the registers per
-    thread of the two consumer warpgroups and of the producer warp (``setmaxnreg``)."""
+    """A plan for the warp-specialized forward (`_attn_fwd_ws`): K/V ring slots; the registers per
+    thread of the two consumer warpgroups and of the producer warp (``setmaxnreg``); and when it
+    runs a causal chunk (`_warp_specialized_wins`): its query tiles on at least ``min_fill`` of the
+    multiprocessors, and at least ``min_blocks`` blocks of 128 × 128 visible (query, key) pairs
+    for each multiprocessor (FlashAttention-2, which splits the keys, wins with less)."""
 
     stages: int = 2
     consumer_regs: int = 240
     producer_regs: int = 24
+    min_fill: float = 0.5
+    min_blocks: int = 40
 
 
 _aten = torch.ops.aten
@@ -120,19 +125,31 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "cudnn"
     if portable.decodes(q, k, tiles, plan=decode):
         return None
+    if causal and warp_specialized is not None and _warp_specialized_wins(q, skv, warp_specialized):
+        return "warp-specialized"
     # cuDNN does not split the keys of a short query: it wins only with query tiles for every SM
     if b * hq * -(-sq // CUDNN_QUERY_TILE) < _multiprocessors(q.device):
         return "flash"
     if not causal:
         return "cudnn"
-    if warp_specialized is not None and d == WS_HEAD_DIM and b * hq <= MAX_GRID_Y:
-        return "warp-specialized"
     if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS:
         return "cudnn-mask"
     hopper = (tiles or {}).get(max(16, next_pow2(d)))
     if hopper is not None and b * hq * -(-sq // hopper.block_m) >= PORTABLE_WAVES * _multiprocessors(q.device):
         return None
     return "flash"
+
+
+def _warp_specialized_wins(q: torch.Tensor, skv: int, plan: WarpSpecialized) -> bool:
+    """Whether a causal chunk (``Sq < Skv``, bottom-right) fills the GPU enough for kpt's Hopper
+    forward to beat FlashAttention-2 (`WarpSpecialized`; on an H200 it lost with 32 tiles or with
+    fewer than 31 blocks a multiprocessor, 0.47-0.99x, and won from 96 tiles and 45 blocks on, 1.7-2.4x)."""
+    b, hq, sq, d = q.shape
+    tiles = -(-sq // (2 * WS_ROWS))
+    pairs = sq * skv - sq * (sq - 1) // 2
+    sms = _multiprocessors(q.device)
+    return (d == WS_HEAD_DIM and tiles <= MAX_GRID_Y and b * hq * tiles >= plan.min_fill * sms
+            and b * hq * pairs >= plan.min_blocks * sms * 2 * WS_ROWS * WS_BLOCK_N)
 
 
 def _multiprocessors(dev: torch.device) -> int:
@@ -329,9 +346,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, Hq, GROUP, Sq, Skv, qk_sca
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    q_row = gl.program_id(0) * 2 * ROWS
-    b = gl.program_id(1) // Hq
-    h = gl.program_id(1) % Hq
+    # the query tiles of every head, the last (longest causal rows) first
+    q_row = (gl.num_programs(1) - 1 - gl.program_id(1)) * 2 * ROWS
+    b = gl.program_id(0) // Hq
+    h = gl.program_id(0) % Hq
     off = Skv - Sq  # bottom-right causal: query i sees keys j <= i + off
     if CAUSAL:
         n_blocks = gl.cdiv(gl.minimum(q_row + 2 * ROWS + off, Skv), BLOCK_N)
@@ -384,7 +402,7 @@ def warp_specialized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     descriptors = (_descriptor(q, WS_ROWS), _descriptor(k, WS_BLOCK_N), _descriptor(v, WS_BLOCK_N),
                    _descriptor(o, WS_ROWS))
-    _attn_fwd_ws[(-(-sq // (2 * WS_ROWS)), b * hq)](
+    _attn_fwd_ws[(b * hq, -(-sq // (2 * WS_ROWS)))](
         *descriptors, lse, hq, hq // k.shape[1], sq, k.shape[2], scale * LOG2E, CAUSAL=causal, STAGES=plan.stages,
         CONSUMER_REGS=plan.consumer_regs, PRODUCER_REGS=plan.producer_regs, num_warps=4)
     return o, lse
