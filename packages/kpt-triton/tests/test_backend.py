@@ -97,6 +97,21 @@ def test_tuned_bodies_look_their_tuning_up_at_the_first_call():
     assert tuned(2) == 6 and tuned(5) == 15 and looked_up == ["body"]
 
 
+def test_a_tuned_body_gets_the_keywords_it_takes():
+    """An entry written for a vendor's native body also serves the portable body that runs where the
+    native one cannot: that one gets only its own keywords; a body that passes keywords on gets all."""
+    entry = {"scale": 3, "native_plan": "wide"}
+
+    def portable(x, *, scale=1):
+        return x * scale
+
+    def native(x, *, scale=1, native_plan=None, **passed_on):
+        return x * scale, native_plan, passed_on
+
+    assert base.Tuned(portable, lambda name: entry)(2) == 6
+    assert base.Tuned(native, lambda name: {**entry, "tiles": 4})(2) == (6, "wide", {"tiles": 4})
+
+
 def test_kernels_come_from_the_contract():
     kernels = Acme().kernels()
     assert set(kernels) == set(kpt.SPECS) and kpt.missing_kernels(kernels) == {}

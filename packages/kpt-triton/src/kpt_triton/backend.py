@@ -69,7 +69,9 @@ def tuning_parameters() -> dict[str, frozenset[str]]:
 
 class Tuned:
     """A kernel body called with the tuning keywords of an architecture, looked up at its first
-    call (importing and binding a backend never touches the device)."""
+    call (importing and binding a backend never touches the device). A table entry serves a vendor's
+    native body and the portable one that runs where the native one cannot (kpt-cuda's attention
+    without cuDNN, say), which may take fewer keywords: the body gets those it takes."""
 
     def __init__(self, body: Callable[..., Any], params: Callable[[str], Mapping[str, Any]]) -> None:
         self.body = body
@@ -78,7 +80,11 @@ class Tuned:
 
     @functools.cached_property
     def params(self) -> Mapping[str, Any]:
-        return self._lookup(self.body.__name__)
+        params = self._lookup(self.body.__name__)
+        taken = inspect.signature(self.body).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in taken.values()):
+            return params
+        return {name: value for name, value in params.items() if name in taken}
 
     def __call__(self, *args: Any) -> Any:
         return self.body(*args, **self.params)
