@@ -80,6 +80,9 @@ WS_BLOCK_N = 128
 MAX_GRID_Y = 65535
 """CUDA's limit on a grid's second dimension (the query tiles of the warp-specialized forward)."""
 LOG2E = 1.4426950408889634
+# Triton 3.9 renamed the TMA copies; 3.6 has only the older names
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 class WarpSpecialized(NamedTuple):
@@ -222,16 +225,16 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empt
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     for w in gl.static_range(2):
         mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, q_row + w * ROWS, 0], q_ready.index(w), q_smem.index(w))
+        _tma_load(q_desc, [b, h, q_row + w * ROWS, 0], q_ready.index(w), q_smem.index(w))
     for j in range(n_blocks):
         slot = j % STAGES
         free = ((j // STAGES) & 1) ^ 1  # a slot's first use waits on nothing
         mbarrier.wait(k_empty.index(slot), free)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), free)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -335,7 +338,7 @@ def _ws_consumer(o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     gl.store(LSE + (b * Hq + h) * Sq + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < Sq)
     q.store(o.to(dtype))  # Q's slot is free: every product that read it has finished
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, first, 0], q_smem.index(WG))
+    _tma_store(o_desc, [b, h, first, 0], q_smem.index(WG))
     tma.store_wait(pendings=0)
 
 
