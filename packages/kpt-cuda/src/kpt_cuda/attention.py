@@ -18,15 +18,15 @@ its own Hopper forward (`warp_specialized_fwd`: Gluon, TMA, warpgroup MMA, warp 
   H32/8 Sq8 Skv8192: 106 µs, where cuDNN with kpt's mask took 326; B1 H32/8 Sq8 Skv32768: 56
   against FlashAttention-2's 132; B8 H32/4 Sq16 Skv8192, 128 rows: 97 against 334). For one query
   cuDNN stays level or slightly ahead of it (51.8 against 52.0–52.9 µs at B1 H32/8 Skv32768).
-* other lengths (chunked prefill): FlashAttention-2, whose causal mask is aligned bottom-right like
-  kpt's and which splits a long KV length for a short query, where the queries do not fill every
-  multiprocessor with tiles of `CUDNN_QUERY_TILE`; otherwise cuDNN without a mask, and causal
-  calls (i) at head dim `WS_HEAD_DIM` kpt's warp-specialized forward where the arch's tuning has a
-  plan for it (on an H200: 1.8 to 2.1× FlashAttention-2 from 160 to 4096 tiles, where cuDNN with
-  kpt's mask as a bias ties FlashAttention-2), (ii) else cuDNN with the mask where it is small
-  enough to cache, (iii) else the portable kernel where the arch's tuning gives it Hopper tiles and
-  its query tiles fill `PORTABLE_WAVES` waves (on an H200, 1.14 to 1.38× FlashAttention-2 at 512
-  to 4096 such tiles, 0.98× at 256), (iv) else FlashAttention-2.
+* other lengths (chunked prefill): causal calls at head dim `WS_HEAD_DIM` run kpt's
+  warp-specialized forward where the arch's tuning has a plan for it and the call fills the GPU
+  (`_warp_specialized_wins`; on an H200 1.7 to 2.4× FlashAttention-2, SDPA's best there). Otherwise
+  FlashAttention-2, whose causal mask is aligned bottom-right like kpt's and which splits a long KV
+  length for a short query, where the queries do not fill every multiprocessor with tiles of
+  `CUDNN_QUERY_TILE`; else cuDNN, causal calls with kpt's mask as an additive bias where the mask
+  is small enough to cache; else the portable kernel where the arch's tuning gives it Hopper tiles
+  and its query tiles fill `PORTABLE_WAVES` waves (on an H200, 1.14 to 1.38× FlashAttention-2 at
+  512 to 4096 such tiles, 0.98× at 256); else FlashAttention-2.
 * The backward is cuDNN's for equal lengths (up to `CUDNN_MAX_BACKWARD_HEAD_DIM`; cuDNN refuses a
   single query and key) and FlashAttention-2's otherwise; both read the forward's ``(o, lse)``,
   whichever kernel computed them.
