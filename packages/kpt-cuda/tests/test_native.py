@@ -183,9 +183,9 @@ def test_grouped_linear_in_the_library_matches_the_reference():
 
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize(("sq", "skv", "spill"), [(512, 4096, 0), (300, 1000, 32)], ids=["aligned", "odd"])
+@pytest.mark.parametrize(("causal", "dtype", "sq", "skv", "spill"), [
+    (True, "bfloat16", 512, 4096, 0), (False, "float16", 512, 4096, 0), (True, "bfloat16", 300, 1000, 32),
+], ids=["causal-aligned", "full-aligned-fp16", "causal-odd"])
 def test_warp_specialized_forward_compiles_for_hopper(causal, dtype, sq, skv, spill):
     """The Hopper forward (Gluon) compiles for sm_90a here, within the shared memory one block may use,
     with no spill at lengths that are multiples of 16 (Triton specializes them) and at most ``spill``
