@@ -5,23 +5,19 @@ registers, spilled bytes, shared memory and ``setmaxnreg`` count as JSON.
 """
 
 import json
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
 from kpt_cuda import attention, tuning
+from kpt_triton.aot import TARGETS, _ptxas
 
 causal, dtype, sq, skv = sys.argv[1] == "True", getattr(torch, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-target = GPUTarget("cuda", 90, 32)
+target = TARGETS["sm90"].gpu
 backend = make_backend(target)
 plan = tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]
 q = torch.empty(2, sq, 8, 128, dtype=dtype).transpose(1, 2)  # [B, H, S, D] with the heads interleaved
@@ -37,11 +33,6 @@ bound, specialization, options = create_function_from_signature(fn.signature, fn
 options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
 compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 ptx = compiled.asm["ptx"]
-with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src, tempfile.TemporaryDirectory() as out:
-    src.write(ptx)
-    src.flush()
-    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src.name, "-o", f"{out}/k.cubin"],
-                         capture_output=True, text=True, check=True).stderr
-print(json.dumps({"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-                  "spills": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
-                  "shared": compiled.metadata.shared, "setmaxnreg": ptx.count("setmaxnreg")}))
+registers, spills = _ptxas(ptx, TARGETS["sm90"])
+print(json.dumps({"registers": registers, "spills": spills, "shared": compiled.metadata.shared,
+                  "setmaxnreg": ptx.count("setmaxnreg")}))
