@@ -288,6 +288,14 @@ def normalization_gain(kernel: str, args: Mapping[str, Any], min_sigma: float = 
     return (1.0 if weight is None else float(weight.abs().max())) / sigma
 
 
+UNSCALED_ROUNDINGS = 2
+"""Roundings of r that reach an output at full weight however small the call's data: the output's
+own, and the inputs' carried through the kernel's slope, about 1 where the data are small (silu'
+is 0.5 at 0, gelu' at most 1.08 for |x| ≤ 1). A silu of one element x = -0.00145 in
+ap_fixed<16,6,RND,SAT> (r = 2^-11) rounds x by 0.97 r, which moves y by 0.48 r, then rounds y by
+a full r: 1.48 r off, more than one rounding however small S."""
+
+
 def rounding(fmt: ApFixed) -> float:
     """The largest error of one rounding to ``fmt``: ½ LSB where it rounds, 1 LSB where it truncates."""
     return fmt.lsb / 2 if fmt.rounds else fmt.lsb
@@ -300,16 +308,17 @@ def fixed_tolerance(kernel: str, fmt: ApFixed, roundings: float | None = None,
 
     With the scale S of the call's data (`data_scale`; for a normalization's ``y``, its
     `normalization_gain` where larger) it also states the absolute error those roundings amount
-    to, ``abs_floor`` = r · (1 + roundings · S): each rounding counted for unit-scale data weighs
-    at most the largest magnitude it is multiplied by, S, and the output's own rounding weighs 1
-    whatever S is. So an output far below the data's scale (a lone small value, a gradient times
-    a small upstream gradient, a mean over many rows) is allowed the error of the computation
-    that produced it, not one relative to its own smallness."""
+    to, ``abs_floor`` = r · (`UNSCALED_ROUNDINGS` + roundings · S): each rounding counted for
+    unit-scale data weighs at most the largest magnitude it is multiplied by, S, while the output's
+    own rounding and the inputs' weigh about 1 whatever S is. So an output far below the data's
+    scale (a lone small value, a gradient times a small upstream gradient, a mean over many rows)
+    is allowed the error of the computation that produced it, not one relative to its own
+    smallness."""
     r = rounding(fmt)
     n = ROUNDINGS[kernel] if roundings is None else roundings
     bound = n * r
     base = default_tolerance(torch.float32)
-    floor = r * (1 + n * scale) if scale else 0.0
+    floor = r * (UNSCALED_ROUNDINGS + n * scale) if scale else 0.0
     return Tolerance(
         rel_norm=max(base.rel_norm, bound), atol=max(base.atol, bound), rtol=max(base.rtol, bound),
         reason=(f"{fmt}: {n:.3g} roundings of {r:g} ({'½ LSB' if fmt.rounds else '1 LSB'}, 1 LSB = 2^-{fmt.f}) "
