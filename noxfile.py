@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint wheels conformance example aot usage newest docs  # what CI runs
+    nox -s lint wheels conformance example aot usage newest docs  # what CI runs (scripts/ci.sh: in two streams)
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -120,9 +120,10 @@ OLDEST = {"torch": "2.11.0", "triton": "3.6.0"}
 
 
 def _release_checks(session: nox.Session, releases: dict[str, str], packages: tuple[str, ...], report: str,
-                    env: dict[str, str]) -> None:
-    """``packages``' unit tests and the cuda backend's conformance in float32 through Triton's
-    interpreter, with ``releases`` pinned over constraints/ci.txt; report in reports/``report``/."""
+                    env: dict[str, str], cuts: dict[str, tuple[str, ...]] | None = None) -> None:
+    """``packages``' unit tests (pytest arguments ``cuts`` for some, then the session's) and the cuda
+    backend's conformance in float32 through Triton's interpreter, with ``releases`` pinned over
+    constraints/ci.txt; report in reports/``report``/."""
     pins = [line for line in Path("constraints/ci.txt").read_text().splitlines() if line.split("==")[0] not in releases]
     constraints = Path(session.create_tmp()) / "releases.txt"
     constraints.write_text("\n".join([*pins, *(f"{name}=={version}" for name, version in releases.items())]))
@@ -130,17 +131,25 @@ def _release_checks(session: nox.Session, releases: dict[str, str], packages: tu
     session.install("-c", str(constraints), "pytest", "numpy", "matplotlib", "rich", *editable)
     env = {"TRITON_INTERPRET": "1", **env}
     for package in packages:
-        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests", env=env)
+        session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests",
+                    *(cuts or {}).get(package, ()), *session.posargs, env=env)
     session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--report", f"reports/{report}",
                 "--xfails", "conformance/xfails", env=env)
 
 
+# newest's representative cut of kpt-triton's unit tests: their float32 and dtype-free cases (474 of
+# 1280); `wheels` runs them all under the oldest Triton, `nox -s newest -- -k ""` under the newest
+NEWEST_CUTS = {"kpt-triton": ("-k", "not float16 and not bfloat16")}
+
+
 @nox.session
 def newest(session: nox.Session) -> None:
-    """The unit tests of the packages that use Triton and the cuda backend's conformance in float32
-    through Triton's interpreter, with the `NEWEST` releases (the other packages do not import
-    Triton); report in reports/newest-cuda-interpret/."""
-    _release_checks(session, NEWEST, ("kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu"), "newest-cuda-interpret", {})
+    """The unit tests of the packages that use Triton (kpt-triton's cut to `NEWEST_CUTS`) and the
+    cuda backend's conformance in float32 through Triton's interpreter, with the `NEWEST` releases
+    (the other packages do not import Triton); report in reports/newest-cuda-interpret/.
+    Arguments after -- go to the unit tests' pytest (``-k ""`` runs them all)."""
+    _release_checks(session, NEWEST, ("kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu"), "newest-cuda-interpret", {},
+                    NEWEST_CUTS)
 
 
 @nox.session(default=False)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# What CI runs (README.md's test command): the same nox sessions as
+#     nox -s lint wheels conformance example aot usage newest docs
+# but lint first, then the rest in two streams at once, one for each core of a 2-core CI machine
+# (most of their time is one Python thread: Triton's interpreter, the Metal emulator, the FPGA
+# simulator). Each stream writes build/ci/<stream>.log, printed when the stream ends, then every
+# session's result; exits non-zero when any session failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+nox -s lint || exit 1
+mkdir -p build/ci
+# nox -k matches substrings of session names: "cuda" is conformance(profile='cuda') on a machine
+# with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without
+declare -A streams=(
+  [a]="wheels or (conformance and cuda) or aot or example or docs"
+  [b]="(conformance and not cuda) or usage or newest"
+)
+declare -A pids
+for name in "${!streams[@]}"; do
+  nox -k "${streams[$name]}" > "build/ci/$name.log" 2>&1 &
+  pids[$name]=$!
+done
+status=0
+for name in $(printf '%s\n' "${!streams[@]}" | sort); do
+  wait "${pids[$name]}" || status=1
+  echo "===== stream $name: nox -k \"${streams[$name]}\""
+  cat "build/ci/$name.log"
+done
+echo "===== every session"
+grep -h -E '^nox > \* ' build/ci/*.log
+exit $status
