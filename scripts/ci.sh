@@ -3,7 +3,7 @@
 #     nox -s lint wheels conformance example aot usage newest docs
 # but lint first, then the rest in two streams at once, one for each core of a 2-core CI machine
 # (most of their time is one Python thread: Triton's interpreter, the Metal emulator, the FPGA
-# simulator). Each stream writes build/ci/<stream>.log, printed when the stream ends, then every
+# simulator). Each stream writes build/ci/<0 or 1>.log, printed when the stream ends, then every
 # session's result; exits non-zero when any session failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,23 +11,23 @@ nox -s lint || exit 1
 mkdir -p build/ci
 # nox -k matches substrings of session names: "cuda" is conformance(profile='cuda') on a machine
 # with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without
-declare -A streams=(
-  [a]="wheels or (conformance and cuda) or aot or example or docs"
-  [b]="(conformance and not cuda) or usage or newest"
+streams=(
+  "wheels or (conformance and cuda) or aot or example or docs"
+  "(conformance and not cuda) or usage or newest"
 )
 # one thread each: two streams of torch's default two OpenMP threads each, busy-waiting for one
 # another on two cores, ran the reference and fpga-sim conformance in 365 s side by side (55 s
 # alone); with one thread each, 52 s
-declare -A pids
-for name in "${!streams[@]}"; do
-  OMP_NUM_THREADS=1 nox -k "${streams[$name]}" > "build/ci/$name.log" 2>&1 &
-  pids[$name]=$!
+pids=()
+for i in "${!streams[@]}"; do
+  OMP_NUM_THREADS=1 nox -k "${streams[$i]}" > "build/ci/$i.log" 2>&1 &
+  pids[i]=$!
 done
 status=0
-for name in $(printf '%s\n' "${!streams[@]}" | sort); do
-  wait "${pids[$name]}" || status=1
-  echo "===== stream $name: nox -k \"${streams[$name]}\""
-  cat "build/ci/$name.log"
+for i in "${!streams[@]}"; do
+  wait "${pids[i]}" || status=1
+  echo "===== stream $i: nox -k \"${streams[$i]}\""
+  cat "build/ci/$i.log"
 done
 echo "===== every session"
 grep -h -E '^nox > \* ' build/ci/*.log
