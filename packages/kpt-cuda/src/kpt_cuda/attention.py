@@ -5,11 +5,13 @@ On an H100 the portable Triton kernel (``kpt_triton.attention``) reaches about h
 forward rate and a fifth of its backward's (B4 H32 S4096 D128 bf16 causal: 276 against 558
 TFLOP/s, 13.9 against 3.0 ms; ``benchmarks/``). kpt-cuda calls the fastest kernels PyTorch ships,
 forward and backward, through the ATen operators that ``F.scaled_dot_product_attention``
-dispatches to, and keeps kpt's contract; where those cannot take kpt's causal mask at speed it runs
-its own Hopper forward (`warp_specialized_fwd`: Gluon, TMA, warpgroup MMA, warp specialization):
+dispatches to, and keeps kpt's contract; where its own Hopper forward is faster (`warp_specialized_fwd`:
+Gluon, TMA, warpgroup MMA, warp specialization, a persistent grid) and the arch's tuning has a plan
+for it (`WarpSpecialized`), it runs that:
 
-* ``Sq == Skv``: cuDNN. Its causal mask is aligned top-left, which equals kpt's bottom-right
-  alignment only when the query and key lengths agree.
+* ``Sq == Skv``: kpt's warp-specialized forward at head dim `WS_HEAD_DIM` on long sequences with
+  many tiles (`_warp_specialized_wins`; on an H200 1.02 to 1.15× cuDNN there), else cuDNN, whose
+  causal mask is aligned top-left: kpt's bottom-right alignment when the lengths agree.
 * One query (decode): cuDNN, non-causal, since that query sees every key (faster than
   FlashAttention-2 against a long cache: 64 against 73 µs at B1 H32/8 Skv32768 on an H100).
 * a few queries against a KV cache (speculative decode: up to 128 query rows per KV head, the
@@ -77,8 +79,6 @@ WS_ROWS = 64
 """Query rows per consumer warpgroup; a program's tile is two of them."""
 WS_BLOCK_N = 128
 """Keys per step of the warp-specialized forward."""
-MAX_GRID_Y = 65535
-"""CUDA's limit on a grid's second dimension (the query tiles of the warp-specialized forward)."""
 LOG2E = 1.4426950408889634
 # Triton 3.9 renamed the TMA copies; 3.6 has only the older names
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -87,16 +87,22 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 class WarpSpecialized(NamedTuple):
     """A plan for the warp-specialized forward (`_attn_fwd_ws`): K/V ring slots; the registers per
-    thread of the two consumer warpgroups and of the producer warp (``setmaxnreg``); and when it
-    runs a causal chunk (`_warp_specialized_wins`): its query tiles on at least ``min_fill`` of the
-    multiprocessors, and at least ``min_blocks`` blocks of 128 × 128 visible (query, key) pairs
-    for each multiprocessor (FlashAttention-2, which splits the keys, wins with less)."""
+    thread of the two consumer warpgroups and of the producer warp (``setmaxnreg``); the bytes of K and
+    V whose heads' tiles run together (``l2_section``, `_ws_tile`); and which calls it runs
+    (`_warp_specialized_wins`). A causal chunk (``Sq < Skv``) when its query tiles cover at least
+    ``min_fill`` of the multiprocessors and give each at least ``min_blocks`` blocks of 128 × 128
+    visible (query, key) pairs (FlashAttention-2, which splits the keys, wins with less); equal lengths
+    from the ``(length, tiles)`` of ``full_from`` without a mask and of ``causal_from`` with one (cuDNN
+    wins with shorter sequences or fewer tiles)."""
 
     stages: int = 2
     consumer_regs: int = 240
     producer_regs: int = 24
+    l2_section: int = 16 << 20
     min_fill: float = 0.5
     min_blocks: int = 40
+    full_from: tuple[int, int] = (4096, 2048)
+    causal_from: tuple[int, int] = (2048, 1024)
 
 
 _aten = torch.ops.aten
@@ -125,10 +131,10 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
     if backward:
         return "cudnn" if sq == skv > 1 and d <= CUDNN_MAX_BACKWARD_HEAD_DIM else "flash"
     if sq == skv or sq == 1:
-        return "cudnn"
+        return "warp-specialized" if _warp_specialized_wins(q, skv, causal, warp_specialized) else "cudnn"
     if portable.decodes(q, k, tiles, plan=decode):
         return None
-    if causal and warp_specialized is not None and _warp_specialized_wins(q, skv, warp_specialized):
+    if _warp_specialized_wins(q, skv, causal, warp_specialized):
         return "warp-specialized"
     # cuDNN does not split the keys of a short query: it wins only with query tiles for every SM
     if b * hq * -(-sq // CUDNN_QUERY_TILE) < _multiprocessors(q.device):
@@ -143,15 +149,21 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
     return "flash"
 
 
-def _warp_specialized_wins(q: torch.Tensor, skv: int, plan: WarpSpecialized) -> bool:
-    """Whether a causal chunk (``Sq < Skv``, bottom-right) fills the GPU enough for kpt's Hopper
-    forward to beat FlashAttention-2 (`WarpSpecialized`; on an H200 it lost with 32 tiles or with
-    fewer than 31 blocks a multiprocessor, 0.47-0.99x, and won from 96 tiles and 45 blocks on, 1.7-2.4x)."""
+def _warp_specialized_wins(q: torch.Tensor, skv: int, causal: bool, plan: WarpSpecialized | None) -> bool:
+    """Whether kpt's Hopper forward beats the library's kernel on this 16-bit call, by the arch's
+    ``plan`` (`WarpSpecialized`; none: it does not run). On an H200: equal lengths 1.02-1.15x cuDNN
+    from 2048 (causal) or 4096 (full) keys and 1024 or 2048 tiles, 0.84-0.99x below; causal chunks
+    1.7-2.4x FlashAttention-2 where they fill the GPU, 0.45-0.8x with 32 tiles or 23 blocks an SM."""
     b, hq, sq, d = q.shape
-    tiles = -(-sq // (2 * WS_ROWS))
+    if plan is None or d != WS_HEAD_DIM:
+        return False
+    tiles = b * hq * -(-sq // (2 * WS_ROWS))
+    if sq == skv:
+        length, min_tiles = plan.causal_from if causal else plan.full_from
+        return sq >= length and tiles >= min_tiles
     pairs = sq * skv - sq * (sq - 1) // 2
     sms = _multiprocessors(q.device)
-    return (d == WS_HEAD_DIM and tiles <= MAX_GRID_Y and b * hq * tiles >= plan.min_fill * sms
+    return (causal and tiles >= plan.min_fill * sms
             and b * hq * pairs >= plan.min_blocks * sms * 2 * WS_ROWS * WS_BLOCK_N)
 
 
@@ -209,32 +221,75 @@ def _fused_layout(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # The warp-specialized forward (Gluon: Triton's lower-level language, which exposes Hopper's TMA
-# copies, mbarriers, asynchronous warpgroup MMA and warp specialization). One program per 128-query
-# tile and (batch, head): a 1-warp producer streams Q once and K, V through rings of `stages` slots
-# by TMA (4-D descriptors over [B, H, S, D]: a block past a head's end reads zeros, a store past it
-# is dropped); two 4-warp consumers take 64 rows each. In every step a consumer issues block j's
-# scores S_j = Q K_j^T and block j-1's P V together, then runs S_j's online softmax while P V is on
-# the tensor cores (FlashAttention-3's intra-warpgroup overlap). Only blocks that reach past the
-# causal diagonal or the last key are masked.
+# copies, mbarriers, asynchronous warpgroup MMA and warp specialization). A persistent kernel: one
+# program per multiprocessor takes 128-query tiles of a (batch, head) until none is left, the first
+# its own, the next from a counter in memory (`_ws_tile`: in sections of a few heads, longest causal
+# rows first). A 1-warp producer streams each tile's Q and K, V through rings of `stages` slots by TMA
+# (4-D descriptors over [B, H, S, D]: a block past a head's end reads zeros, a store past it is
+# dropped), running ahead into the next tile; two 4-warp consumers take 64 rows each. In every step a
+# consumer issues block j's scores S_j = Q K_j^T and block j-1's P V together, then runs S_j's online
+# softmax while P V is on the tensor cores (FlashAttention-3's intra-warpgroup overlap). Only blocks
+# that reach past the causal diagonal or the last key are masked. A tile's output leaves through its
+# Q slot by a TMA store that the next tile does not wait for.
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready,
-                 b, h, kv_h, q_row, n_blocks, STAGES: gl.constexpr):
+def _ws_tile(t, Hq, Sq, Skv, n_heads, sec_heads, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t as ``(b, h, first query row, key blocks)``. The heads (batch-major) are cut into
+    sections of ``sec_heads``, whose K and V fit a share of L2 together; a section's tiles run
+    together, the query tiles from the last (longest causal rows) to the first, the heads fastest."""
+    n_q = gl.cdiv(Sq, 2 * ROWS)
+    section = t // (sec_heads * n_q)
+    head0 = section * sec_heads
+    n_sec = gl.minimum(sec_heads, n_heads - head0)  # the last section may be short
+    within = t - head0 * n_q
+    qi = within // n_sec
+    bh = head0 + within - qi * n_sec
+    q_row = (n_q - 1 - qi) * 2 * ROWS
+    if CAUSAL:
+        n_blocks = gl.cdiv(gl.minimum(q_row + 2 * ROWS + Skv - Sq, Skv), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(Skv, BLOCK_N)
+    return bh // Hq, bh % Hq, q_row, n_blocks
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty,
+                 tile_smem, COUNTER, Hq, GROUP, Sq, Skv, n_tiles, sec_heads, CAUSAL: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Takes the tiles and loads them: the tile's index into its Q slot's word (for the consumers),
+    Q, then its K and V blocks through the rings; past the last tile, an index of ``n_tiles``."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    for w in gl.static_range(2):
-        mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, q_row + w * ROWS, 0], q_ready.index(w), q_smem.index(w))
-    for j in range(n_blocks):
-        slot = j % STAGES
-        free = ((j // STAGES) & 1) ^ 1  # a slot's first use waits on nothing
-        mbarrier.wait(k_empty.index(slot), free)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    n_heads = n_tiles // gl.cdiv(Sq, 2 * ROWS)
+    c = 0  # K/V blocks loaded so far (ring slot and phase)
+    it = 0  # tiles taken so far (Q slot and phase)
+    t = gl.program_id(0)
+    while t < n_tiles:
+        b, h, q_row, n_blocks = _ws_tile(t, Hq, Sq, Skv, n_heads, sec_heads, CAUSAL, ROWS, BLOCK_N)
+        qs = it % 2
+        mbarrier.wait(q_empty.index(qs), ((it // 2) & 1) ^ 1)  # a slot's first use waits on nothing
+        tile_smem.index(qs).store(gl.full([1], t, gl.int32, layout=one))
+        mbarrier.expect(q_ready.index(qs), 2 * q_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            _tma_load(q_desc, [b, h, q_row + w * ROWS, 0], q_ready.index(qs), q_smem.index(2 * qs + w))
+        for j in range(n_blocks):
+            slot = c % STAGES
+            free = ((c // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), free)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), free)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+            c += 1
+        it += 1
+        t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+    qs = it % 2
+    mbarrier.wait(q_empty.index(qs), ((it // 2) & 1) ^ 1)
+    tile_smem.index(qs).store(gl.full([1], n_tiles, gl.int32, layout=one))
+    mbarrier.arrive(q_ready.index(qs), count=1)
 
 
 @gluon.jit
@@ -254,16 +309,17 @@ def _ws_softmax(s, m_i, l_i, MASKED: gl.constexpr, CAUSAL: gl.constexpr, rows, c
 
 
 @gluon.jit
-def _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, zero_s, j,
+def _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, zero_s, j, g,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, rows, offs_n, off, Skv, qk_scale, STAGES: gl.constexpr,
              p_layout: gl.constexpr, row_o: gl.constexpr):
-    """Key block j: its scores are issued with block j-1's P V, then softmaxed while P V runs."""
+    """Key block j (the ring's g-th): its scores are issued with block j-1's P V, then softmaxed while
+    P V runs."""
     BLOCK_N: gl.constexpr = k_smem.type.shape[3]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
-    slot = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    slot = g % STAGES
+    prev = (g - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
     s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -278,8 +334,8 @@ def _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_
 
 
 @gluon.jit
-def _ws_consumer(o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, LSE,
-                 b, h, Hq, Sq, Skv, off, q_row, n_blocks, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+def _ws_consumer(o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty, tile_smem, LSE,
+                 Hq, Sq, Skv, n_tiles, sec_heads, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
                  STAGES: gl.constexpr):
     ROWS: gl.constexpr = q_smem.type.shape[3]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -292,81 +348,89 @@ def _ws_consumer(o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    q = q_smem.index(WG).reshape([ROWS, HEAD_DIM])
-    first = q_row + WG * ROWS
-    rows = first + gl.arange(0, ROWS, layout=row_s)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    # the blocks whose every key every row of this warpgroup sees run unmasked
-    if CAUSAL:
-        n_full = gl.minimum(first + off + 1, Skv) // BLOCK_N
-    else:
-        n_full = Skv // BLOCK_N
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    mbarrier.wait(q_ready.index(WG), 0)
-
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                      is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    # every row sees key 0 (off >= 0): the row maxima are finite from the first block on
-    if n_full == 0:
-        p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, True, CAUSAL, rows, offs_n, off, Skv, qk_scale)
-    else:
-        p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, False, CAUSAL, rows, offs_n, off, Skv, qk_scale)
-    for j in range(1, n_full):
-        p, alpha, m_i, l_i, acc = _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i,
-                                           acc, zero_s, j, False, CAUSAL, rows, offs_n, off, Skv, qk_scale, STAGES,
-                                           p_layout, row_o)
-    for j in range(gl.maximum(n_full, 1), n_blocks):
-        p, alpha, m_i, l_i, acc = _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i,
-                                           acc, zero_s, j, True, CAUSAL, rows, offs_n, off, Skv, qk_scale, STAGES,
-                                           p_layout, row_o)
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
-                        acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(v_empty.index(last), count=1)
-
-    o = acc / gl.convert_layout(l_i, row_o)[:, None]
-    gl.store(LSE + (b * Hq + h) * Sq + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < Sq)
-    q.store(o.to(dtype))  # Q's slot is free: every product that read it has finished
-    fence_async_shared()
-    _tma_store(o_desc, [b, h, first, 0], q_smem.index(WG))
+    off = Skv - Sq  # bottom-right causal: query i sees keys j <= i + off
+    n_heads = n_tiles // gl.cdiv(Sq, 2 * ROWS)
+    c = 0
+    it = 0
+    mbarrier.wait(q_ready.index(0), 0)
+    t = gl.max(tile_smem.index(0).load(one), axis=0)
+    while t < n_tiles:
+        b, h, q_row, n_blocks = _ws_tile(t, Hq, Sq, Skv, n_heads, sec_heads, CAUSAL, ROWS, BLOCK_N)
+        qs = it % 2
+        q_buf = q_smem.index(2 * qs + WG)
+        q = q_buf.reshape([ROWS, HEAD_DIM])
+        first = q_row + WG * ROWS
+        rows = first + gl.arange(0, ROWS, layout=row_s)
+        # the blocks whose every key every row of this warpgroup sees run unmasked
+        if CAUSAL:
+            n_full = gl.minimum(first + off + 1, Skv) // BLOCK_N
+        else:
+            n_full = Skv // BLOCK_N
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(c % STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                          use_acc=False, is_async=True)
+        if it > 0:  # the previous tile's output has been read out of its Q slot: the producer may refill it
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_empty.index(1 - qs), count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+        # every row sees key 0 (off >= 0): the row maxima are finite from the first block on
+        if n_full == 0:
+            p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, True, CAUSAL, rows, offs_n, off, Skv, qk_scale)
+        else:
+            p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, False, CAUSAL, rows, offs_n, off, Skv, qk_scale)
+        for j in range(1, n_full):
+            p, alpha, m_i, l_i, acc = _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i,
+                                               l_i, acc, zero_s, j, c + j, False, CAUSAL, rows, offs_n, off, Skv,
+                                               qk_scale, STAGES, p_layout, row_o)
+        for j in range(gl.maximum(n_full, 1), n_blocks):
+            p, alpha, m_i, l_i, acc = _ws_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i,
+                                               l_i, acc, zero_s, j, c + j, True, CAUSAL, rows, offs_n, off, Skv,
+                                               qk_scale, STAGES, p_layout, row_o)
+        c += n_blocks
+        last = (c - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((c - 1) // STAGES) & 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                            v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(last), count=1)
+        o = acc / gl.convert_layout(l_i, row_o)[:, None]
+        gl.store(LSE + (b * Hq + h) * Sq + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < Sq)
+        q.store(o.to(dtype))  # Q's slot is free: every product that read it has finished
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, first, 0], q_buf)
+        it += 1
+        mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
+        t = gl.max(tile_smem.index(it % 2).load(one), axis=0)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, Hq, GROUP, Sq, Skv, qk_scale, CAUSAL: gl.constexpr,
-                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER, Hq, GROUP, Sq, Skv, n_tiles, sec_heads, qk_scale,
+                 CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 PRODUCER_REGS: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    # the query tiles of every head, the last (longest causal rows) first
-    q_row = (gl.num_programs(1) - 1 - gl.program_id(1)) * 2 * ROWS
-    b = gl.program_id(0) // Hq
-    h = gl.program_id(0) % Hq
-    off = Skv - Sq  # bottom-right causal: query i sees keys j <= i + off
-    if CAUSAL:
-        n_blocks = gl.cdiv(gl.minimum(q_row + 2 * ROWS + off, Skv), BLOCK_N)
-    else:
-        n_blocks = gl.cdiv(Skv, BLOCK_N)
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_DIM], q_desc.layout)
+    # two Q slots (a tile and the next) of two 64-row halves; a tile's word beside each
+    q_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -374,14 +438,15 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, Hq, GROUP, Sq, Skv, qk_sca
         mbarrier.init(v_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_ws_consumer, (o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, LSE,
-                        b, h, Hq, Sq, Skv, off, q_row, n_blocks, qk_scale, 0, CAUSAL, STAGES)),
-        (_ws_consumer, (o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, LSE,
-                        b, h, Hq, Sq, Skv, off, q_row, n_blocks, qk_scale, 1, CAUSAL, STAGES)),
+        (_ws_consumer, (o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty,
+                        tile_smem, LSE, Hq, Sq, Skv, n_tiles, sec_heads, qk_scale, 0, CAUSAL, STAGES)),
+        (_ws_consumer, (o_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready, q_empty,
+                        tile_smem, LSE, Hq, Sq, Skv, n_tiles, sec_heads, qk_scale, 1, CAUSAL, STAGES)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_ready,
-                        b, h, h // GROUP, q_row, n_blocks, STAGES)),
+                        q_empty, tile_smem, COUNTER, Hq, GROUP, Sq, Skv, n_tiles, sec_heads, CAUSAL, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -396,6 +461,14 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
 
 
+def _section_heads(q: torch.Tensor, k: torch.Tensor, plan: WarpSpecialized) -> int:
+    """Query heads per L2 section (`_ws_tile`): the groups whose K and V fit ``plan.l2_section`` bytes."""
+    b, hq, _, _ = q.shape
+    _, hkv, skv, d = k.shape
+    groups = max(1, plan.l2_section // (2 * skv * d * k.element_size()))
+    return min(b * hq, groups * (hq // hkv))
+
+
 def warp_specialized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                          plan: WarpSpecialized) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` from the warp-specialized forward: 16-bit [B, H, S, D] inputs laid out as `_fused_layout`
@@ -403,11 +476,14 @@ def warp_specialized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     b, hq, sq, d = q.shape
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past each program's first
+    n_tiles = b * hq * -(-sq // (2 * WS_ROWS))
     descriptors = (_descriptor(q, WS_ROWS), _descriptor(k, WS_BLOCK_N), _descriptor(v, WS_BLOCK_N),
                    _descriptor(o, WS_ROWS))
-    _attn_fwd_ws[(b * hq, -(-sq // (2 * WS_ROWS)))](
-        *descriptors, lse, hq, hq // k.shape[1], sq, k.shape[2], scale * LOG2E, CAUSAL=causal, STAGES=plan.stages,
-        CONSUMER_REGS=plan.consumer_regs, PRODUCER_REGS=plan.producer_regs, num_warps=4)
+    _attn_fwd_ws[(min(n_tiles, _multiprocessors(q.device)), )](
+        *descriptors, lse, counter, hq, hq // k.shape[1], sq, k.shape[2], n_tiles, _section_heads(q, k, plan),
+        scale * LOG2E, CAUSAL=causal, STAGES=plan.stages, CONSUMER_REGS=plan.consumer_regs,
+        PRODUCER_REGS=plan.producer_regs, num_warps=4)
     return o, lse
 
 

@@ -84,10 +84,15 @@ SM90_HBM3E: Table = {**SM90, "layer_norm_fwd": {"tile_elems": 4096, "elems_per_w
                                        # H200 the best of 6-9 tiles at B4 H32 S4096 D128 and B8 H32 S1024 D64,
                                        # 1.5-2.3x the portable ones (D128 causal 393 against 252 TFLOP/s)
                                        "tiles": {64: Tiles(128, 64, 8, 3), 128: Tiles(128, 128, 8, 3)},
-                                       # kpt's Hopper forward for causal chunks (`kpt_cuda.attention`): on
-                                       # an H200 (2026-11-29) 1.7-2.4x FlashAttention-2 where its tiles
-                                       # fill half the SMs with 40 blocks of pairs each, 0.45-0.8x below
-                                       "warp_specialized": WarpSpecialized(stages=2, min_fill=0.5, min_blocks=40)},
+                                       # kpt's Hopper forward (`kpt_cuda.attention`), persistent, in L2 sections of
+                                       # 16 MiB of K and V: on an H200 (2026-11-29) causal chunks 1.7-2.4x
+                                       # FlashAttention-2 where its tiles fill half the SMs with 40 blocks of
+                                       # pairs each (0.45-0.8x below); equal lengths 1.02-1.15x cuDNN from 2048
+                                       # keys and 1024 tiles causal, 4096 keys and 2048 tiles without a mask
+                                       # (0.84-0.99x with fewer; sections of 4-32 MiB within 2% of each other)
+                                       "warp_specialized": WarpSpecialized(stages=2, l2_section=16 << 20, min_fill=0.5,
+                                                                           min_blocks=40, full_from=(4096, 2048),
+                                                                           causal_from=(2048, 1024))},
                      # the sixth (H100) sweep's entries, not measured on an H200: the earlier ones
                      "layer_norm_bwd": {**_ROW_SM90, "programs_per_sm": 4},
                      "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True},
