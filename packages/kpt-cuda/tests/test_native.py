@@ -99,6 +99,23 @@ def test_attention_library_choice():
     assert attention.available() is (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9)
 
 
+def test_warp_specialized_sections_hold_whole_groups_within_the_plans_l2_share():
+    """The persistent forward runs the tiles of a few heads together (`_ws_tile`): as many grouped-query
+    groups as have K and V within the plan's ``l2_section`` bytes, at least one, at most every head."""
+    plan = tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]
+    assert plan.l2_section == 16 << 20
+
+    def heads(b, hq, hkv, skv, d=128):
+        q = torch.empty(b, hq, 1, d, dtype=torch.bfloat16)
+        return attention._section_heads(q, torch.empty(b, hkv, skv, d, dtype=torch.bfloat16), plan)
+
+    assert heads(4, 32, 32, 4096) == 8  # K and V of a head: 2 MiB
+    assert heads(2, 32, 8, 8192) == 16  # 4 MiB a group of 4 query heads: 4 groups
+    assert heads(1, 32, 32, 65536) == 1  # one head's 32 MiB: still one
+    assert heads(1, 32, 4, 65536) == 8  # one group, whole
+    assert heads(1, 4, 4, 1024) == 4  # every head fits
+
+
 @pytest.mark.parametrize("sq", [2, 8])
 def test_causal_mask_is_the_last_columns_of_a_cached_band(sq):
     """The causal bias for cuDNN hides exactly the keys j > i + Skv - Sq of query i, for every key
