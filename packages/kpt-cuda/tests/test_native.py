@@ -170,6 +170,42 @@ def test_misaligned_views_match_the_reference_on_hopper():
         torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.skipif(not attention.available(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize(("b", "hq", "hkv", "sq", "skv", "causal"), [
+    (4, 16, 4, 1000, 1000, True),  # 512 tiles on 132 or so programs: the tile counter, the L2 sections
+    (2, 8, 2, 300, 1000, True),  # a chunk, bottom-right; lengths off the tile
+    (3, 8, 8, 700, 700, False),
+    (1, 4, 4, 1, 700, True),
+    (1, 2, 2, 1, 1, False),
+], ids=["counter", "chunk", "full", "one-query", "one-key"])
+def test_warp_specialized_forward_matches_the_reference_on_hopper(b, hq, hkv, sq, skv, causal):
+    """kpt's Hopper forward, called directly (its route takes only long calls): o and lse against the
+    float64 reference, q and v as [B, S, H, D] views. A first call on NaN queries and values leaves
+    NaN in the blocks the second call's outputs get from torch's allocator (same sizes, just freed),
+    so an element the kernel does not write fails the comparison."""
+    g = torch.Generator().manual_seed(sq + skv)
+    plan = tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]
+    q = torch.randn(b, sq, hq, 128, generator=g).bfloat16().transpose(1, 2)
+    k = torch.randn(b, hkv, skv, 128, generator=g).bfloat16()
+    v = torch.randn(b, skv, hkv, 128, generator=g).bfloat16().transpose(1, 2)
+
+    def forward(q, k, v):
+        return attention.warp_specialized_fwd(*(attention._fused_layout(t.cuda()) for t in (q, k, v)), causal,
+                                              128 ** -0.5, plan)
+
+    poisoned = forward(torch.full_like(q, float("nan")), k, torch.full_like(v, float("nan")))
+    assert poisoned[0].isnan().all()
+    del poisoned
+    o, lse = forward(q, k, v)
+    qd, kd, vd = (t.double().repeat_interleave(hq // t.shape[1], 1) for t in (q, k, v))
+    scores = qd @ kd.transpose(-1, -2) * 128 ** -0.5
+    if causal:
+        hidden = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    torch.testing.assert_close(lse.cpu().double(), scores.logsumexp(-1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o.cpu().double(), scores.softmax(-1) @ vd, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not attention.available(), reason="needs a Hopper GPU (cuDNN and FlashAttention-2)")
 def test_cudnn_with_the_cached_causal_mask_matches_the_reference_on_hopper():
     """Chunked prefill with enough query tiles for cuDNN (`_library`: "cudnn-mask"), key lengths
