@@ -85,6 +85,10 @@ def test_attention_library_choice():
     assert _lib(4096, 4096, True, batch=8, d=64, ws=ws) == "cudnn"
     assert _lib(4096, 4096, True, batch=8, dtype=torch.float32, ws=ws) is None
     assert _lib(4096, 4096, True, batch=8, ws=ws, backward=True) == "cudnn"  # cuDNN's backward reads (o, lse)
+    # one query against a long cache would fill the chunk rule's tiles and blocks, with one row of 128 each
+    long_cache = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(64, 2, 1 << 20, 128)
+    assert attention._library(torch.empty(64, 8, 1, 128, dtype=torch.bfloat16), long_cache, True, 0.1,
+                              warp_specialized=ws) == "cudnn"
     assert _lib(64, 4096, True, batch=32, backward=True) == "flash"
     assert _lib(1, 1, False, backward=True) == "flash"  # cuDNN's backward refuses Sq = Skv = 1
     assert _lib(100, 10, True) is None  # queries that see no key: the portable kernel's zeros

@@ -130,7 +130,9 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return None
     if backward:
         return "cudnn" if sq == skv > 1 and d <= CUDNN_MAX_BACKWARD_HEAD_DIM else "flash"
-    if sq == skv or sq == 1:
+    if sq == 1:
+        return "cudnn"
+    if sq == skv:
         return "warp-specialized" if _warp_specialized_wins(q, skv, causal, warp_specialized) else "cudnn"
     if portable.decodes(q, k, tiles, plan=decode):
         return None
