@@ -29,7 +29,7 @@ fn = attention._attn_fwd_ws
 kwargs = {"CAUSAL": causal, "STAGES": plan.stages, "CONSUMER_REGS": plan.consumer_regs,
           "PRODUCER_REGS": plan.producer_regs, "num_warps": 4}
 bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
-    *descriptors, torch.empty(2, 8, sq), torch.empty(1, dtype=torch.int32), 8, 4, sq, skv, 2 * 8 * -(-sq // 128),
+    *descriptors, torch.empty(2, 8, sq), torch.empty(1, dtype=torch.int32), 8, 4, sq, skv, attention._ws_tiles(q),
     attention._section_heads(q, k, plan), 0.1, **kwargs)
 options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
 compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)

@@ -258,8 +258,8 @@ def test_warp_specialized_forward_compiles_for_hopper(causal, dtype, sq, skv, sp
     spilling at most ``spill`` bytes a thread: under Triton 3.6, 8-16 at lengths that are multiples of
     16 (Triton specializes them; a consumer stores one value when it starts and loads it once a tile),
     40 at other lengths (their index arithmetic), none in the loops over keys; none under Triton 3.9.
-    Checked ahead of time,
-    since it runs only on a Hopper GPU, in a process without the interpreter these tests run Triton in."""
+    Checked ahead of time, since it runs only on a Hopper GPU, in a process without the interpreter
+    these tests run Triton in."""
     import json
     import os
     import subprocess

@@ -159,7 +159,7 @@ def _warp_specialized_wins(q: torch.Tensor, skv: int, causal: bool, plan: WarpSp
     b, hq, sq, d = q.shape
     if plan is None or d != WS_HEAD_DIM:
         return False
-    tiles = b * hq * -(-sq // (2 * WS_ROWS))
+    tiles = _ws_tiles(q)
     if sq == skv:
         length, min_tiles = plan.causal_from if causal else plan.full_from
         return sq >= length and tiles >= min_tiles
@@ -167,6 +167,12 @@ def _warp_specialized_wins(q: torch.Tensor, skv: int, causal: bool, plan: WarpSp
     sms = _multiprocessors(q.device)
     return (causal and tiles >= plan.min_fill * sms
             and b * hq * pairs >= plan.min_blocks * sms * 2 * WS_ROWS * WS_BLOCK_N)
+
+
+def _ws_tiles(q: torch.Tensor) -> int:
+    """The warp-specialized forward's tiles for ``q`` [B, H, S, D]: 2 × `WS_ROWS` queries of a (batch, head)."""
+    b, hq, sq, _ = q.shape
+    return b * hq * -(-sq // (2 * WS_ROWS))
 
 
 def _multiprocessors(dev: torch.device) -> int:
@@ -479,7 +485,7 @@ def warp_specialized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past each program's first
-    n_tiles = b * hq * -(-sq // (2 * WS_ROWS))
+    n_tiles = _ws_tiles(q)
     descriptors = (_descriptor(q, WS_ROWS), _descriptor(k, WS_BLOCK_N), _descriptor(v, WS_BLOCK_N),
                    _descriptor(o, WS_ROWS))
     _attn_fwd_ws[(min(n_tiles, _multiprocessors(q.device)), )](
