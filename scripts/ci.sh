@@ -5,22 +5,40 @@
 # (most of their time is one Python thread: Triton's interpreter, the Metal emulator, the FPGA
 # simulator). Each stream writes build/ci/<0 or 1>.log, printed when the stream ends, then every
 # session's result; exits non-zero when any session failed.
+#
+# Disk: every session's virtualenv holds its own torch (about 0.9 GB), so the thirteen sessions
+# would keep about 13 GB on disk to the end; a stream runs its sessions one at a time in its own
+# envdir and deletes the virtualenv when the session ends, so at most two exist at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-nox -s lint || exit 1
+echo "free disk at the start: $(df -h --output=avail . | tail -1 | tr -d ' ')"
 mkdir -p build/ci
+nox --envdir build/ci/env-lint -s lint || exit 1
+rm -rf build/ci/env-lint
 # nox -k matches substrings of session names: "cuda" is conformance(profile='cuda') on a machine
 # with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without
 streams=(
   "wheels or (conformance and cuda) or aot or example or docs"
   "(conformance and not cuda) or usage or newest"
 )
+
+# run_stream INDEX EXPRESSION: every session that `nox -k EXPRESSION` selects, one at a time
+run_stream() {
+  local envdir="build/ci/env$1" status=0 name names
+  names=$(nox -k "$2" --list --json | python3 -c 'import json, sys; print(*(s["session"] for s in json.load(sys.stdin)), sep="\n")') || return 1
+  while IFS= read -r name; do
+    nox --envdir "$envdir" -s "$name" || status=1
+    rm -rf "$envdir"
+  done <<< "$names"
+  return $status
+}
+
 # one thread each: two streams of torch's default two OpenMP threads each, busy-waiting for one
 # another on two cores, ran the reference and fpga-sim conformance in 365 s side by side (55 s
 # alone); with one thread each, 52 s
 pids=()
 for i in "${!streams[@]}"; do
-  OMP_NUM_THREADS=1 nox -k "${streams[$i]}" > "build/ci/$i.log" 2>&1 &
+  OMP_NUM_THREADS=1 run_stream "$i" "${streams[$i]}" > "build/ci/$i.log" 2>&1 &
   pids[i]=$!
 done
 status=0
@@ -30,5 +48,5 @@ for i in "${!streams[@]}"; do
   cat "build/ci/$i.log"
 done
 echo "===== every session"
-grep -h -E '^nox > \* ' build/ci/*.log
+grep -h -E '^nox > Session .* (was successful|failed|skipped)' build/ci/*.log
 exit $status
