@@ -77,7 +77,7 @@ def test_explicit_scale_and_default_scale() -> None:
 def test_lse_is_the_natural_log_sum_exp_of_the_visible_scores() -> None:
     q, k, v = _qkv(2, 4, 2, 12, 20, 32)
     scale = 32**-0.5
-    _, lse = SPEC.forward(q, k, v, True, scale)
+    _, lse = SPEC.forward(q, k, v, True, scale, None)
     kk = k.repeat_interleave(2, dim=1)
     scores = torch.einsum("bhqd,bhkd->bhqk", q, kk) * scale
     expected = scores.masked_fill(~_bottom_right(12, 20), float("-inf")).logsumexp(-1)
@@ -101,7 +101,7 @@ def test_queries_that_see_no_key_output_zeros() -> None:
     expected = _sdpa(q[:, :, blind:], k, v, causal=True)
     torch.testing.assert_close(out[:, :, blind:], expected, rtol=1e-10, atol=1e-12)
 
-    _, lse = SPEC.forward(q.detach(), k.detach(), v.detach(), True, 16**-0.5)
+    _, lse = SPEC.forward(q.detach(), k.detach(), v.detach(), True, 16**-0.5, None)
     assert torch.isneginf(lse[:, :, :blind]).all() and torch.isfinite(lse[:, :, blind:]).all()
 
     do = torch.randn_like(out)
@@ -164,7 +164,7 @@ def test_non_contiguous_inputs_give_the_same_contiguous_output() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_low_precision_dtypes(dtype: torch.dtype) -> None:
     q, k, v = _qkv(1, 4, 2, 32, 32, 64, dtype=dtype)
-    out, lse = SPEC.forward(q, k, v, True, 0.125)
+    out, lse = SPEC.forward(q, k, v, True, 0.125, None)
     assert out.dtype == dtype and lse.dtype == torch.float32
     expected = _sdpa(q.double(), k.double(), v.double(), True, scale=0.125)
     tol = kpt.default_tolerance(dtype)
@@ -197,12 +197,12 @@ def test_large_problems_are_computed_in_chunks_with_the_same_result(monkeypatch,
 
     q, k, v = _qkv(3, 8, 4, 33, 41, 16)
     do = torch.randn_like(q)
-    whole = attention.attention_forward(q, k, v, causal, 0.25)
-    grads = attention.attention_backward(q, k, v, causal, 0.25, whole[0], whole[1], do)
+    whole = attention.attention_forward(q, k, v, causal, 0.25, None)
+    grads = attention.attention_backward(q, k, v, causal, 0.25, None, whole[0], whole[1], do)
     # two query heads (one key/value head) per chunk: 12 chunks
     monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 2 * 33 * 41)
-    chunked = attention.attention_forward(q, k, v, causal, 0.25)
-    chunked_grads = attention.attention_backward(q, k, v, causal, 0.25, chunked[0], chunked[1], do)
+    chunked = attention.attention_forward(q, k, v, causal, 0.25, None)
+    chunked_grads = attention.attention_backward(q, k, v, causal, 0.25, None, chunked[0], chunked[1], do)
     for got, want in zip(chunked + chunked_grads, whole + grads, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -161,7 +161,7 @@ def test_sdpa_peer_takes_the_contract_causal_alignment(sq: int, skv: int, causal
     q = torch.randn(2, 4, sq, 16, generator=g)
     k, v = torch.randn(2, 2, skv, 16, generator=g), torch.randn(2, 2, skv, 16, generator=g)
     got = benchmark._sdpa(q, k, v, causal, None)
-    expected = attention_forward(q.double(), k.double(), v.double(), causal, 16 ** -0.5)[0]
+    expected = attention_forward(q.double(), k.double(), v.double(), causal, 16 ** -0.5, None)[0]
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 

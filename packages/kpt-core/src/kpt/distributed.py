@@ -112,10 +112,11 @@ def _attention(a: dict[str, Any]) -> list[Strategy]:
             raise KernelNotSupportedError(
                 f"attention: query heads sharded Shard(1) over {n} ranks need query and key/value head "
                 f"counts that are multiples of {n}, got {a['q'].shape[1]} and {a['k'].shape[1]}")
-    qkv = ("q", "k", "v")
+    masked = a.get("mask") is not None  # the mask [B, Hq, Sq, Skv] shards with q
+    qkv = ("q", "k", "v", "mask") if masked else ("q", "k", "v")
     strategies = _each_dim((0, 1), ("o", "lse"), qkv)
     if not a["causal"]:  # causal masks align queries to keys by their counts: the shard's would differ
-        strategies.append(({"o": Shard(2), "lse": Shard(2)}, {"q": Shard(2)}))
+        strategies.append(({"o": Shard(2), "lse": Shard(2)}, {"q": Shard(2), **({"mask": Shard(2)} if masked else {})}))
     return strategies
 
 

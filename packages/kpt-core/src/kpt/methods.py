@@ -117,18 +117,31 @@ class KernelMethods(abc.ABC):
         """
         return self.call("rope", q, k, cos, sin)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        scale: Optional[float] = None,
+        mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """Softmax attention ``softmax(q · kᵀ · scale) · v`` with grouped-query heads.
 
         ``q``: ``[B, Hq, Sq, D]``; ``k``, ``v``: ``[B, Hkv, Skv, D]`` with ``Hq % Hkv == 0`` (query head
         ``h`` uses key/value head ``h // (Hq // Hkv)``), all of one float dtype, ``D`` in 16..256.
         ``scale`` defaults to ``D ** -0.5``. ``causal`` masks bottom-right aligned: query ``i`` sees keys
         ``j <= i + Skv - Sq`` (``F.scaled_dot_product_attention(is_causal=True)`` when ``Sq == Skv``;
-        with a KV cache the last query sees every key). A query that sees no key (``Skv == 0``, or
-        causal with ``Sq > Skv``) outputs zeros. Softmax statistics in float32 (float64 for float64).
-        Returns ``o``: ``[B, Hq, Sq, D]`` in q's dtype. Differentiable with respect to ``q``, ``k``, ``v``.
+        with a KV cache the last query sees every key). ``mask``, a bool tensor broadcastable to
+        ``[B, Hq, Sq, Skv]`` (each dimension its size or 1; ``True``: the query may attend the key), is
+        combined with ``causal``: a pair is visible when both allow it. It expresses key padding (left
+        or right), packed documents, sliding windows and a static cache's unwritten slots, as the 4-D
+        masks of ``F.scaled_dot_product_attention`` do. A query that sees no key (``Skv == 0``, causal
+        with ``Sq > Skv``, or a mask row of ``False``) outputs zeros, and its gradients are zero.
+        Softmax statistics in float32 (float64 for float64). Returns ``o``: ``[B, Hq, Sq, D]`` in q's
+        dtype. Differentiable with respect to ``q``, ``k``, ``v`` (not ``mask``).
         """
-        return self.call("attention", q, k, v, causal, scale)
+        return self.call("attention", q, k, v, causal, scale, mask)
 
     def linear(
         self,

@@ -341,6 +341,8 @@ def attention_hidden_pairs_add_nothing(args: Args, upstream: Args) -> dict[str, 
     grouped = (batch, hkv, hq // hkv, sq, d)  # query heads by their key/value head
     qg, dog, kg, vg = q.reshape(grouped), do.reshape(grouped), k[:, :, None], v[:, :, None]
     visible = visible_keys(sq, skv, args["causal"], q.device)
+    if args.get("mask") is not None:
+        visible = visible & args["mask"].reshape(grouped[:-1] + (skv,))
     # q·kᵀ and dO·vᵀ hold one product per pair: a hidden pair's is selected away before any sum
     s = torch.where(visible, (qg @ kg.mT) * args["scale"], -math.inf)
     p = torch.where(visible, probabilities(s), 0.0)
@@ -373,12 +375,16 @@ def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
     from the oracle's arguments (the checked q, k, v, ``causal``, ``scale``) and ``{"do": dO}``."""
     u, scale = torch.finfo(dtype).eps / 2, args["scale"]
 
-    def rounded(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def rounded(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch, hq, sq, d = q.shape
         hkv, skv = k.shape[1], k.shape[2]
         grouped = (batch, hkv, hq // hkv, sq, d)
+        v = rest[-1]
         qg, dog, kg, vg = (_finite(t) for t in (q.reshape(grouped), do.reshape(grouped), k[:, :, None], v[:, :, None]))
-        s = torch.where(visible_keys(sq, skv, args["causal"], q.device), (qg @ kg.mT) * scale, -math.inf)
+        visible = visible_keys(sq, skv, args["causal"], q.device)
+        if len(rest) == 2:  # the mask, sliced with q
+            visible = visible & rest[0].reshape(batch, hkv, hq // hkv, sq, skv)
+        s = torch.where(visible, (qg @ kg.mT) * scale, -math.inf)
         p = _finite(probabilities(s))
         eps = u * torch.linalg.vector_norm(dog * ((p @ vg).abs() + p @ vg.abs()), dim=-1, keepdim=True)
         dq = scale * eps * (p @ kg).abs()
@@ -387,7 +393,8 @@ def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[
 
     # by batch entries and key/value heads, as the reference's attention: [.., Sq, Skv] scores in float64
     q, k, v, do = (t.detach().to(torch.float64) for t in (args["q"], args["k"], args["v"], upstream["do"]))
-    dq, dk = by_chunks(rounded, q, k, do, per_key=(v,))
+    mask = () if args.get("mask") is None else (args["mask"],)
+    dq, dk = by_chunks(rounded, q, k, do, *mask, per_key=(v,))
     return {"q": dq, "k": dk}
 
 

@@ -1,8 +1,10 @@
-"""Scaled dot-product attention with grouped-query heads and a bottom-right causal mask.
+"""Scaled dot-product attention with grouped-query heads, a bottom-right causal mask and an
+optional boolean mask (padding, packed documents, sliding windows, a static cache's empty slots).
 
 Query head h reads key/value head h // G, G = Hq / Hkv. For one (batch, query head):
 
-    s   = q · kᵀ · scale                     [Sq, Skv]; causal: s[i, j] = −∞ unless j ≤ i + Skv − Sq
+    s   = q · kᵀ · scale                     [Sq, Skv]; causal: s[i, j] = −∞ unless j ≤ i + Skv − Sq;
+                                              mask: s[i, j] = −∞ where mask[b, h, i, j] is False
     lse = log Σ_j exp(s[:, j])               (natural log; −∞ for a query that sees no key)
     p   = exp(s − lse)                       (0 for a query that sees no key; computed normalized,
                                               `probabilities`)
@@ -31,16 +33,22 @@ HEAD_DIMS = (16, 256)
 """The smallest and largest head dimension of the contract."""
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None,
+              mask: Optional[Tensor] = None) -> Tensor:
     """Softmax attention ``softmax(q · kᵀ · scale) · v`` with grouped-query heads.
 
     ``q``: ``[B, Hq, Sq, D]``; ``k``, ``v``: ``[B, Hkv, Skv, D]`` with ``Hq % Hkv == 0`` (query head
     ``h`` uses key/value head ``h // (Hq // Hkv)``), all of one float dtype, ``D`` in 16..256.
     ``scale`` defaults to ``D ** -0.5``. ``causal`` masks bottom-right aligned: query ``i`` sees keys
     ``j <= i + Skv - Sq`` (``F.scaled_dot_product_attention(is_causal=True)`` when ``Sq == Skv``;
-    with a KV cache the last query sees every key). A query that sees no key (``Skv == 0``, or
-    causal with ``Sq > Skv``) outputs zeros. Softmax statistics in float32 (float64 for float64).
-    Returns ``o``: ``[B, Hq, Sq, D]`` in q's dtype. Differentiable with respect to ``q``, ``k``, ``v``.
+    with a KV cache the last query sees every key). ``mask``, a bool tensor broadcastable to
+    ``[B, Hq, Sq, Skv]`` (each dimension its size or 1; ``True``: the query may attend the key), is
+    combined with ``causal``: a pair is visible when both allow it. It expresses key padding (left
+    or right), packed documents, sliding windows and a static cache's unwritten slots, as the 4-D
+    masks of ``F.scaled_dot_product_attention`` do. A query that sees no key (``Skv == 0``, causal
+    with ``Sq > Skv``, or a mask row of ``False``) outputs zeros, and its gradients are zero.
+    Softmax statistics in float32 (float64 for float64). Returns ``o``: ``[B, Hq, Sq, D]`` in q's
+    dtype. Differentiable with respect to ``q``, ``k``, ``v`` (not ``mask``).
     """
     raise AssertionError("signature only: call backend.attention")
 
@@ -69,6 +77,15 @@ def validate_attention(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     if a["scale"] is None:
         a["scale"] = d**-0.5
     a["scale"] = float(c.number("scale", a["scale"], low=0.0, high=sys.float_info.max))
+    mask = a["mask"]
+    if mask is not None:
+        c.tensor("mask", mask, ndim=4, dtypes=(torch.bool,))
+        c.same_device("mask", mask, q)
+        full = (batch, hq, q.shape[2], kshape[2])
+        if any(m not in (1, n) for m, n in zip(mask.shape, full)):
+            raise c.fail("mask", f"has shape {tuple(mask.shape)}; expected one that broadcasts to {list(full)} "
+                                 "(each dimension its size or 1)")
+        a["mask"] = mask.expand(full)  # a view: backends read it by its strides (0 where broadcast)
     return a
 
 
@@ -80,7 +97,8 @@ def visible_keys(sq: int, skv: int, causal: bool, device: torch.device | str | N
     return torch.arange(skv, device=device)[None, :] <= torch.arange(sq, device=device)[:, None] + (skv - sq)
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float,
+            mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Masked scores ``[B, Hkv, G, Sq, Skv]`` (compute dtype); q, k grouped as ``[B, Hkv, G|1, S, D]``.
 
     Query heads are grouped by their key/value head so that keys are broadcast, never copied.
@@ -93,6 +111,8 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, T
     s = (qg @ kg.transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(~visible_keys(sq, skv, causal, q.device), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask.reshape(batch, hkv, hq // hkv, sq, skv), float("-inf"))
     return s, qg, kg
 
 
@@ -136,26 +156,34 @@ def by_chunks(fn: Callable[..., tuple[Tensor, ...]], q: Tensor, k: Tensor, *per_
     return tuple(torch.cat(outs, dim=0) for outs in zip(*rows))
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                      mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Returns ``(o, lse)``; ``lse`` is ``[B, Hq, Sq]`` in float32 (float64 for float64 input)."""
 
-    def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        s, _, _ = _scores(q, k, causal, scale)
+    def forward(q: Tensor, k: Tensor, *rest: Tensor) -> tuple[Tensor, Tensor]:
+        m, v = (rest[0], rest[1]) if mask is not None else (None, rest[0])
+        s, _, _ = _scores(q, k, causal, scale, m)
         lse = torch.logsumexp(s, -1)
         o = probabilities(s) @ v.to(s.dtype)[:, :, None]
         return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
 
-    return by_chunks(forward, q, k, per_key=(v,))
+    return by_chunks(forward, q, k, *_present(mask), per_key=(v,))
+
+
+def _present(*tensors: Optional[Tensor]) -> tuple[Tensor, ...]:
+    return tuple(t for t in tensors if t is not None)
 
 
 def attention_backward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, o: Tensor, lse: Tensor, do: Optional[Tensor]
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Optional[Tensor], o: Tensor, lse: Tensor,
+    do: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v``. p is recomputed from
     the scores (`probabilities`), not from the saved ``lse``, which the reference does not read."""
 
-    def backward(q: Tensor, k: Tensor, do: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        s, qg, kg = _scores(q, k, causal, scale)
+    def backward(q: Tensor, k: Tensor, do: Tensor, *rest: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        m, v = (rest[0], rest[1]) if mask is not None else (None, rest[0])
+        s, qg, kg = _scores(q, k, causal, scale, m)
         p = probabilities(s)
         dog = do.to(s.dtype).reshape(qg.shape)
         vg = v.to(s.dtype)[:, :, None]
@@ -166,7 +194,7 @@ def attention_backward(
         dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
         return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    return by_chunks(backward, q, k, do, per_key=(v,))
+    return by_chunks(backward, q, k, do, *_present(mask), per_key=(v,))
 
 
 def visible_pairs(sq: int, skv: int, causal: bool) -> int:
@@ -183,15 +211,86 @@ def _flops(a: Args) -> float:
 
 
 def _make(g: torch.Generator, dtype: torch.dtype, *, b: int, hq: int, hkv: int, sq: int, skv: int, d: int,
-          causal: bool = False, qk_scale: float = 1.0, transposed: bool = False, **extra: Any) -> Args:
+          causal: bool = False, qk_scale: float = 1.0, transposed: bool = False, masked: str | None = None,
+          **extra: Any) -> Args:
     def draw(heads: int, seq: int, scale: float) -> Tensor:
         if transposed:
             # the layout a fused QKV projection produces: [B, S, H, D] viewed as [B, H, S, D]
             return randn(g, b, seq, heads, d, dtype=dtype, scale=scale).transpose(1, 2)
         return randn(g, b, heads, seq, d, dtype=dtype, scale=scale)
 
-    return {"q": draw(hq, sq, qk_scale), "k": draw(hkv, skv, qk_scale), "v": draw(hkv, skv, 1.0),
-            "causal": causal, "scale": None, **extra}
+    args = {"q": draw(hq, sq, qk_scale), "k": draw(hkv, skv, qk_scale), "v": draw(hkv, skv, 1.0),
+            "causal": causal, "scale": None, "mask": None, **extra}
+    if masked is not None:
+        args["mask"] = MASKS[masked](g, b, hq, sq, skv)
+    return args
+
+
+def _key_padding(lengths: Callable[[int, int], list[tuple[int, int]]]) -> Callable[..., Tensor]:
+    """A ``[B, 1, 1, Skv]`` mask of each batch entry's real keys ``start:stop`` from
+    ``lengths(batch, skv)`` (the rest padding), as transformers' 2-D ``attention_mask``."""
+
+    def make(g: torch.Generator, b: int, hq: int, sq: int, skv: int) -> Tensor:
+        mask = torch.zeros(b, 1, 1, skv, dtype=torch.bool)
+        for i, (start, stop) in enumerate(lengths(b, skv)):
+            mask[i, ..., start:stop] = True
+        return mask
+
+    return make
+
+
+def _documents(lengths: tuple[int, ...]) -> Callable[..., Tensor]:
+    """A ``[1, 1, S, S]`` block-diagonal mask of documents of ``lengths`` packed into one row
+    (as transformers builds it from ``position_ids`` that restart); with ``causal``, causal within each."""
+
+    def make(g: torch.Generator, b: int, hq: int, sq: int, skv: int) -> Tensor:
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        assert len(doc) == sq == skv, "the documents fill the row"
+        return (doc[:, None] == doc[None, :])[None, None]
+
+    return make
+
+
+def _window(width: int) -> Callable[..., Tensor]:
+    """Query i (at key position i + Skv − Sq) sees the ``width`` keys up to its own: a sliding window."""
+
+    def make(g: torch.Generator, b: int, hq: int, sq: int, skv: int) -> Tensor:
+        pos = torch.arange(sq)[:, None] + (skv - sq)
+        return ((pos - torch.arange(skv)[None, :]) < width)[None, None]
+
+    return make
+
+
+def _static_cache(filled: int) -> Callable[..., Tensor]:
+    """A static cache of ``Skv`` slots whose first ``filled`` hold keys and the Sq queries come next:
+    query i sees slots ``j <= filled + i``, and left padding hides the first slots of batch entry 1."""
+
+    def make(g: torch.Generator, b: int, hq: int, sq: int, skv: int) -> Tensor:
+        mask = (torch.arange(skv)[None, :] <= filled + torch.arange(sq)[:, None]).expand(b, 1, sq, skv).clone()
+        mask[1:, ..., :3] = False
+        return mask
+
+    return make
+
+
+def _random(g: torch.Generator, b: int, hq: int, sq: int, skv: int) -> Tensor:
+    """Any pattern, a different one per head, with a query row that sees no key."""
+    mask = torch.rand(b, hq, sq, skv, generator=g) < 0.6
+    mask[:, :, sq // 2] = False
+    return mask
+
+
+MASKS: dict[str, Callable[..., Tensor]] = {
+    # real keys: entry 0 all, entry 1 after 5 pads, entry 2 only the last key (its other queries see none)
+    "left_padding": _key_padding(lambda b, skv: [(0, skv), (5, skv), (skv - 1, skv)][:b]),
+    "right_padding": _key_padding(lambda b, skv: [(0, skv), (0, skv - 7)][:b]),
+    "packed": _documents((7, 1, 20, 12)),
+    "window": _window(8),
+    "static_cache": _static_cache(10),
+    "random": _random,
+}
+"""The masks of the conformance cases (`MASKS[name](generator, B, Hq, Sq, Skv)`): the forms
+transformers hands an attention (``F.scaled_dot_product_attention``'s boolean masks), and any pattern."""
 
 
 def _cases() -> list[Case]:
@@ -231,6 +330,16 @@ def _cases() -> list[Case]:
         # included) land at 1.6-3.3e-5, above the default 2e-5
         case("huge_scores", b=1, hq=2, hkv=2, sq=64, skv=64, d=64, causal=True, qk_scale=4.0, tolerance_scale=4.0),
         case("tiny_scores", b=1, hq=2, hkv=2, sq=64, skv=64, d=64, qk_scale=1e-3),
+        # masks: key padding (a row that sees no key outputs zeros), packed documents, a sliding
+        # window, a static cache's slots, and any per-head pattern
+        case("left_padding", b=3, hq=4, hkv=2, sq=24, skv=24, d=32, causal=True, masked="left_padding"),
+        case("right_padding", b=2, hq=2, hkv=1, sq=24, skv=24, d=64, causal=True, masked="right_padding"),
+        case("padding_bidirectional", b=2, hq=2, hkv=2, sq=24, skv=24, d=32, masked="right_padding"),
+        case("decode_left_padding", b=3, hq=4, hkv=1, sq=1, skv=40, d=64, causal=True, masked="left_padding"),
+        case("packed", b=1, hq=4, hkv=2, sq=40, skv=40, d=32, causal=True, masked="packed"),
+        case("sliding_window", b=2, hq=2, hkv=1, sq=48, skv=48, d=32, causal=True, masked="window"),
+        case("static_cache", b=2, hq=4, hkv=2, sq=3, skv=32, d=64, causal=True, masked="static_cache"),
+        case("mask_random", b=2, hq=4, hkv=2, sq=20, skv=33, d=16, masked="random"),
         case("perf", b=4, hq=32, hkv=32, sq=4096, skv=4096, d=128, causal=True, perf=True),
     ]
 
@@ -238,7 +347,7 @@ def _cases() -> list[Case]:
 def _bad_inputs() -> list[BadInput]:
     def base(**kw: Any) -> Args:
         return {"q": torch.randn(2, 4, 8, 16), "k": torch.randn(2, 2, 8, 16), "v": torch.randn(2, 2, 8, 16),
-                "causal": False, "scale": None, **kw}
+                "causal": False, "scale": None, "mask": None, **kw}
 
     return [
         BadInput("int_q", lambda: base(q=torch.ones(2, 4, 8, 16, dtype=torch.int64))),
@@ -257,6 +366,10 @@ def _bad_inputs() -> list[BadInput]:
         BadInput("causal_not_bool", lambda: base(causal="yes")),
         BadInput("negative_scale", lambda: base(scale=-1.0)),
         BadInput("infinite_scale", lambda: base(scale=float("inf"))),
+        BadInput("mask_dtype", lambda: base(mask=torch.zeros(2, 1, 8, 8))),
+        BadInput("mask_rank", lambda: base(mask=torch.ones(2, 8, 8, dtype=torch.bool))),
+        BadInput("mask_shape", lambda: base(mask=torch.ones(2, 1, 8, 9, dtype=torch.bool))),
+        BadInput("mask_device", lambda: base(mask=torch.ones(2, 1, 8, 8, dtype=torch.bool, device="meta"))),
     ]
 
 
