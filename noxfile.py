@@ -2,7 +2,7 @@
 
     nox                                     # every session this machine can run
     nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint wheels conformance example aot usage newest docs  # what CI runs (scripts/ci.sh: in two streams)
+    nox -s lint wheels conformance example aot usage models newest docs  # what CI runs (scripts/ci.sh: in two streams)
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -119,16 +119,22 @@ NEWEST = {"triton": "3.9.0", "numpy": "2.4.6"}
 OLDEST = {"torch": "2.11.0", "triton": "3.6.0"}
 
 
+def _pinned(session: nox.Session, releases: dict[str, str]) -> str:
+    """A constraints file in the session's temporary directory: constraints/ci.txt with ``releases``
+    (name -> version) pinned over its own pins; returns its path."""
+    pins = [line for line in Path("constraints/ci.txt").read_text().splitlines() if line.split("==")[0] not in releases]
+    constraints = Path(session.create_tmp()) / "releases.txt"
+    constraints.write_text("\n".join([*pins, *(f"{name}=={version}" for name, version in releases.items())]))
+    return str(constraints)
+
+
 def _release_checks(session: nox.Session, releases: dict[str, str], packages: tuple[str, ...], report: str,
                     env: dict[str, str], cuts: dict[str, tuple[str, ...]] | None = None) -> None:
     """``packages``' unit tests (pytest arguments ``cuts`` for some, then the session's) and the cuda
     backend's conformance in float32 through Triton's interpreter, with ``releases`` pinned over
     constraints/ci.txt; report in reports/``report``/."""
-    pins = [line for line in Path("constraints/ci.txt").read_text().splitlines() if line.split("==")[0] not in releases]
-    constraints = Path(session.create_tmp()) / "releases.txt"
-    constraints.write_text("\n".join([*pins, *(f"{name}=={version}" for name, version in releases.items())]))
     editable = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
-    session.install("-c", str(constraints), "pytest", "numpy", "matplotlib", "rich", *editable)
+    session.install("-c", _pinned(session, releases), "pytest", "numpy", "matplotlib", "rich", *editable)
     env = {"TRITON_INTERPRET": "1", **env}
     for package in packages:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests",
@@ -174,6 +180,38 @@ def fuzz(session: nox.Session) -> None:
         _install(session, *packages, extra=extra)
         session.run("kpt", "check", "--backend", backend, "--report", f"reports/fuzz-{profile}", "--",
                     "-k", "fuzz", "--kpt-fuzz-examples", invalid, "--kpt-fuzz-valid-examples", valid, env=env)
+
+
+def _readme_install_lines() -> dict[str, str]:
+    """README.md's install commands (the lines between its install markers), by the backend each
+    installs: the name of its last package folder (``packages/kpt-cuda``: cuda; kpt-core: reference)."""
+    text = Path("README.md").read_text()
+    block = text.partition("<!-- install -->")[2].partition("<!-- /install -->")[0]
+    lines = [line.partition("#")[0].strip() for line in block.splitlines() if line.strip().startswith("pip ")]
+    last = {line: line.split()[-1].removeprefix("packages/kpt-") for line in lines}
+    return {("reference" if name == "core" else name): line for line, name in last.items()}
+
+
+INSTALL_LINES = _readme_install_lines()
+# a check after the install: the backend is registered with no plugin error; where it can run here,
+# one rms_norm call on it
+INSTALLED_CHECK = """import sys, torch, kpt
+info = {i.name: i for i in kpt.list_backends()}
+name = sys.argv[1]
+assert name in info and info[name].error is None, f"{name}: {info.get(name)}"
+print(info[name])
+if info[name].available:
+    print(kpt.get_backend(name).rms_norm(torch.randn(2, 8), torch.ones(8)).shape)
+"""
+
+
+@nox.session
+@nox.parametrize("backend", list(INSTALL_LINES))
+def install(session: nox.Session, backend: str) -> None:
+    """README.md's install command for ``backend``, run as written in this fresh virtualenv (pip from
+    the checkout, pinned by constraints/ci.txt), then the backend looked up through kpt."""
+    session.run("bash", "-euc", INSTALL_LINES[backend], external=True)
+    session.run("python", "-c", INSTALLED_CHECK, backend)
 
 
 @nox.session
@@ -231,30 +269,32 @@ def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
     Python snippets (transformers installed for the one that patches a model); mypy over a user's
-    first script and over kpt-core itself (tests/); then the `models` tests in the same environment."""
+    first script and over kpt-core itself (tests/). The `models` sessions test kpt.patch itself."""
     _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs)
-    _models(session)
 
 
 USAGE_EXTRA = ("numpy", "mypy", "transformers", "accelerate", "matplotlib")
 
 
-def _models(session: nox.Session) -> None:
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", env=CUDA_ENV)
+# the transformers releases `models` runs against: the oldest kpt.patch supports and the newest
+TRANSFORMERS = {"oldest": "5.17.0", "newest": "5.24.0"}
 
 
-@nox.session(default=False)
-def models(session: nox.Session) -> None:
-    """`kpt.patch` on tiny random-initialised transformers models of every supported family
-    (the `usage` session runs it too): patched and unpatched forward, loss, gradients and a training
-    step agree, on the reference backend and on the cuda backend (through Triton's interpreter on
-    a CPU machine); the auto loader and the transformers Trainer on a patched model;
-    scripts/train_llama.py --tiny."""
-    _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
-    _models(session)
+@nox.session
+@nox.parametrize("transformers", list(TRANSFORMERS))
+def models(session: nox.Session, transformers: str) -> None:
+    """`kpt.patch` on tiny random-initialised transformers models of every supported family, with the
+    `TRANSFORMERS` release pinned over constraints/ci.txt: patched and unpatched forward, loss,
+    gradients and a training step agree, on the reference backend and on the cuda backend (through
+    Triton's interpreter on a CPU machine); the auto loader and the transformers Trainer on a patched
+    model; scripts/train_llama.py --tiny."""
+    constraints = _pinned(session, {"transformers": TRANSFORMERS[transformers]})
+    paths = [f"packages/{p}" for p in PACKAGES]
+    session.install("-c", constraints, "pytest", *USAGE_EXTRA, *paths)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "models", *session.posargs, env=CUDA_ENV)
 
 
 @nox.session

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What CI runs (README.md's test command): the same nox sessions as
-#     nox -s lint wheels conformance example aot usage newest docs
+#     nox -s lint wheels conformance example aot usage models newest docs
 # but lint first, then the rest in two streams at once, one for each core of a 2-core CI machine
 # (most of their time is one Python thread: Triton's interpreter, the Metal emulator, the FPGA
-# simulator). Each stream writes build/ci/<0 or 1>.log, printed when the stream ends, then every
-# session's result; exits non-zero when any session failed.
+# simulator). A line per session as it starts and as it ends (with its time) comes while the streams
+# run; each stream's full output goes to build/ci/<0 or 1>.log, printed when every stream has ended,
+# then every session's result; exits non-zero when any session failed.
 #
 # Disk: every session's virtualenv holds its own torch (about 0.9 GB), so the thirteen sessions
 # would keep about 13 GB on disk to the end; a stream runs its sessions one at a time in its own
@@ -16,18 +17,24 @@ mkdir -p build/ci
 nox --envdir build/ci/env-lint -s lint || exit 1
 rm -rf build/ci/env-lint
 # nox -k matches substrings of session names: "cuda" is conformance(profile='cuda') on a machine
-# with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without
+# with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without; "newest" is the session
+# `newest` and models(transformers='newest')
 streams=(
-  "wheels or (conformance and cuda) or aot or example or docs"
+  "wheels or (conformance and cuda) or aot or example or docs or (models and oldest)"
   "(conformance and not cuda) or usage or newest"
 )
 
-# run_stream INDEX EXPRESSION: every session that `nox -k EXPRESSION` selects, one at a time
+# run_stream INDEX EXPRESSION: every session that `nox -k EXPRESSION` selects, one at a time, its
+# output to build/ci/INDEX.log; a line on the terminal as each session starts and as it ends
 run_stream() {
-  local envdir="build/ci/env$1" status=0 name names
-  names=$(nox -k "$2" --list --json | python3 -c 'import json, sys; print(*(s["session"] for s in json.load(sys.stdin)), sep="\n")') || return 1
+  local envdir="build/ci/env$1" log="build/ci/$1.log" status=0 name names start result
+  : > "$log"
+  names=$(nox -k "$2" --list --json 2>>"$log" | python3 -c 'import json, sys; print(*(s["session"] for s in json.load(sys.stdin)), sep="\n")') || return 1
   while IFS= read -r name; do
-    nox --envdir "$envdir" -s "$name" || status=1
+    echo "[$(date -u +%H:%M:%S)] stream $1: $name started"
+    start=$SECONDS result=ok
+    nox --envdir "$envdir" -s "$name" >>"$log" 2>&1 || { status=1 result=FAILED; }
+    echo "[$(date -u +%H:%M:%S)] stream $1: $name $result in $((SECONDS - start)) s"
     rm -rf "$envdir"
   done <<< "$names"
   return $status
@@ -38,7 +45,7 @@ run_stream() {
 # alone); with one thread each, 52 s
 pids=()
 for i in "${!streams[@]}"; do
-  OMP_NUM_THREADS=1 run_stream "$i" "${streams[$i]}" > "build/ci/$i.log" 2>&1 &
+  OMP_NUM_THREADS=1 run_stream "$i" "${streams[$i]}" &
   pids[i]=$!
 done
 status=0
