@@ -396,7 +396,7 @@ class _VocabParallelLoss(torch.autograd.Function):
             loss = loss.sum()
         ctx.save_for_backward(grad)
         ctx.dtype, ctx.per_row = logits.dtype, reduction == "none"
-        return loss.to(logits.dtype)
+        return loss  # float32 (float64 for float64 logits), as the contract's cross_entropy
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
@@ -478,4 +478,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: DTensor, target: torch.Te
         _vocab_sharded("linear_cross_entropy: bias", bias, 0)
         logits = logits + bias.to_local().to(compute)
     loss = _VocabParallelLoss.apply(logits, target, start, weight.shape[0], group, ignore_index, 0.0, reduction)
-    return DTensor.from_local(loss.to(h.dtype), mesh, [R] * mesh.ndim, run_check=False)
+    return DTensor.from_local(loss, mesh, [R] * mesh.ndim, run_check=False)

@@ -46,7 +46,7 @@ def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, 
     unit = portable.unit_grad(target, ignore_index, reduction)
     onchip.launch(logits, dlogits, split, target=target.contiguous(), grad=unit, losses=losses,
                   ignore_index=ignore_index, label_smoothing=label_smoothing)
-    return portable.reduce_losses(losses, target, ignore_index, reduction, logits.dtype), dlogits
+    return portable.reduce_losses(losses, target, ignore_index, reduction, torch.float32), dlogits
 
 
 cross_entropy_bwd = portable.cross_entropy_bwd

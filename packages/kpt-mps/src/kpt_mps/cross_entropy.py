@@ -55,7 +55,7 @@ def _scaled(d, g, per_row):
 def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad):
     unit = _unit(target, ignore_index, reduction)
     losses, _, dz = _rows(logits, target, unit, ignore_index, label_smoothing, needs_grad, logits.dtype)
-    loss = _reduce(losses, target, ignore_index, reduction, logits.dtype)
+    loss = _reduce(losses, target, ignore_index, reduction, torch.float32)
     return loss, dz if dz is not None else logits.new_empty(0)
 
 
@@ -99,7 +99,7 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reducti
     fused = needs_grad and reduction != "none"
     unit = _unit(target, ignore_index, reduction) if fused else None
     losses, lse, grads = _chunks(hidden, weight, bias, target, ignore_index, unit)
-    loss = _reduce(losses, target, ignore_index, reduction, hidden.dtype)
+    loss = _reduce(losses, target, ignore_index, reduction, torch.float32)
     empty = hidden.new_empty(0)
     return (loss, *(_grads_out(hidden, weight, bias, *grads) if grads is not None else (empty, empty, empty)), lse)
 

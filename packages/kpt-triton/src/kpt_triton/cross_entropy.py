@@ -295,7 +295,7 @@ def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, 
     _rows(logits, target, None, unit, losses, lse, dlogits, ignore_index,
           label_smoothing, compute_lse=True, write_loss=True, block_v=block_v, elems_per_warp=elems_per_warp,
           programs_per_sm=programs_per_sm)
-    return reduce_losses(losses, target, ignore_index, reduction, logits.dtype), dlogits
+    return reduce_losses(losses, target, ignore_index, reduction, torch.float32), dlogits
 
 
 def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, loss, dlogits,
@@ -370,7 +370,7 @@ def linear_cross_entropy_fwd(
     grad = unit_grad(target, ignore_index, reduction) if fused else None
     grads = _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, chunk_elems=chunk_elems,
                      block_v=block_v, elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)
-    return (reduce_losses(losses, target, ignore_index, reduction, hidden.dtype),
+    return (reduce_losses(losses, target, ignore_index, reduction, torch.float32),
             *(grads if grads is not None else (hidden.new_empty(0) for _ in range(3))), lse)
 
 

@@ -68,7 +68,7 @@ def cross_entropy(
     is not ``ignore_index`` raises in checked mode (`kpt.checked_values`); unchecked, its row's loss
     is NaN (so a reduced loss is NaN) and its gradient lacks the target's term.
     ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
-    logits' dtype. Differentiable with respect to ``logits``: the gradient is computed during the
+    float32 (float64 for float64), whatever the logits' dtype, as ``F.cross_entropy(logits.float(), ...)``. Differentiable with respect to ``logits``: the gradient is computed during the
     forward pass (it takes the memory of the logits until the backward).
     """
     raise AssertionError("signature only: call backend.cross_entropy")
@@ -85,7 +85,7 @@ def linear_cross_entropy(
     ``hidden``: ``[N, K]`` float; ``weight``: ``[V, K]``, hidden's dtype; ``bias``: ``[V]``, hidden's
     dtype or float32, or None; ``target``: ``[N]`` int64, out-of-range values as in
     `cross_entropy`. Logits and loss in float32 (float64 for float64). Returns a scalar (``[N]``
-    for "none") in hidden's dtype. Differentiable with respect to ``hidden``, ``weight`` and
+    for "none") in float32 (float64 for float64), whatever hidden's dtype. Differentiable with respect to ``hidden``, ``weight`` and
     ``bias``.
     """
     raise AssertionError("signature only: call backend.linear_cross_entropy")
@@ -196,7 +196,7 @@ def cross_entropy_forward(
     z = logits.to(compute_dtype(logits.dtype)).contiguous()
     lse = torch.logsumexp(z, -1)
     losses = _row_losses(z, target, ignore_index, label_smoothing, lse)
-    loss = _reduce(losses, target, ignore_index, reduction).to(logits.dtype)
+    loss = _reduce(losses, target, ignore_index, reduction)
     if not needs_grad:
         return loss, logits.new_empty(0)
     row_grad = _unit_grads(target, ignore_index, reduction, z.dtype)
@@ -272,7 +272,7 @@ def linear_cross_entropy_forward(
     fused = needs_grad and reduction != "none"
     row_grad = _unit_grads(target, ignore_index, reduction, ct) if fused else None
     losses, lse, grads = _chunked(hidden, weight, bias, target, ignore_index, row_grad)
-    loss = _reduce(losses, target, ignore_index, reduction).to(hidden.dtype)
+    loss = _reduce(losses, target, ignore_index, reduction)
     empty = (hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0))
     return (loss, *(_grads_out(hidden, weight, bias, *grads) if grads is not None else empty), lse)
 

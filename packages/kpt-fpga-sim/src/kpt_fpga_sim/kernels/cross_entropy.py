@@ -93,10 +93,10 @@ def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, 
     loss = a.cast(_reduce(a, losses, target, ignore_index, reduction), "loss",
                   _loss_format(a, reduction, target))
     if not needs_grad:
-        return a.out(loss, logits.dtype), logits.new_empty(0)
+        return a.out(loss, torch.float32), logits.new_empty(0)
     d = _dlogits(a, z, target, lse, label_smoothing) * _scale(a, target, ignore_index, reduction)
     dz = a.where((target != ignore_index)[:, None], a.cast(d, "dlogits"), a.const(0.0))
-    return a.out(loss, logits.dtype), a.out(dz, logits.dtype)
+    return a.out(loss, torch.float32), a.out(dz, logits.dtype)
 
 
 def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, needs_grad, loss, dlogits, dloss):
@@ -144,12 +144,12 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reducti
                   _loss_format(a, reduction, target))
     lse = a.out(a.cat(lses, 0), torch.float32)
     if not fused:
-        return (a.out(loss, hidden.dtype), *(hidden.new_empty(0) for _ in range(3)), lse)
+        return (a.out(loss, torch.float32), *(hidden.new_empty(0) for _ in range(3)), lse)
     s = _scale(a, target, ignore_index, reduction)
     dh, dw, db = a.cat(dhs, 0) * s, dw * s, db * s
     summed = a.grown(hidden.shape[0])
     dbias = a.out(a.cast(db, "dbias", summed), bias.dtype) if bias is not None else hidden.new_empty(0)
-    return (a.out(loss, hidden.dtype), a.out(a.cast(dh, "dhidden"), hidden.dtype),
+    return (a.out(loss, torch.float32), a.out(a.cast(dh, "dhidden"), hidden.dtype),
             a.out(a.cast(dw, "dweight", summed), weight.dtype), dbias, lse)
 
 
