@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import difflib
 import functools
+import inspect
 import re
 import sys
 import types
@@ -29,6 +30,11 @@ from .methods import KernelMethods
 from .ops import Kernel, as_tuple, eager_functions, register_all
 from .spec import FLOAT_DTYPES, KernelSpec, values_checked
 from .tolerance import Tolerance
+
+NAME = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
+"""What a backend name may be: lower-case words of letters and digits joined by single hyphens.
+One spelling per name, so that names map one-to-one to op namespaces (``acme-npu`` is
+``kpt_acme_npu``; ``acme_npu`` is not a name)."""
 
 CONTRACT_VERSION = 1
 """The version of the kernel contract (docs/contract.md; its changes in CHANGELOG.md) that this
@@ -61,6 +67,7 @@ class Backend(KernelMethods):
     the kernel methods (``backend.rms_norm``...) come from `kpt.methods.KernelMethods`."""
 
     name: ClassVar[str]
+    """Matches `NAME`; a plugin's backends are named after its entry point (`kpt.registry`)."""
     vendor: ClassVar[str]
     device_type: ClassVar[str]
     """The torch device type its tensors live on ("cpu", "cuda", "xpu", "mps")."""
@@ -131,8 +138,9 @@ class Backend(KernelMethods):
 
     @property
     def op_namespace(self) -> str:
-        """The torch.library namespace of this backend's ops."""
-        return "kpt_" + re.sub(r"\W", "_", self.name)
+        """The torch.library namespace of this backend's ops: ``kpt_`` and the name, hyphens as
+        underscores (one-to-one, as `NAME` has no underscores)."""
+        return "kpt_" + self.name.replace("-", "_")
 
     def __repr__(self) -> str:
         return f"<kpt backend {self.name!r} ({self.vendor}, {self.device_type})>"
@@ -151,6 +159,7 @@ class Backend(KernelMethods):
     def _bound(self) -> _Bound:
         # an incomplete backend still runs the kernels it has (the conformance suite checks a
         # backend kernel by kernel); each missing body raises BackendError when called
+        check_name(self.name)
         given = self.kernels()
         missing = missing_kernels(given)
         kernels = _guarded(self.name, _with_missing_bodies(self.name, given, missing))
@@ -191,6 +200,50 @@ class Backend(KernelMethods):
             out = bound_kernels.kernels[kernel].forward(*values)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
+
+
+def _naming_bad_calls(kernel: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """The kernel method ``method`` raising `KernelInputError` naming the kernel and its
+    parameters where its arguments do not bind (a misspelled keyword), for Python's bare
+    TypeError. A TypeError raised inside the call passes through as it is."""
+
+    @functools.wraps(method)
+    def checked(self: Backend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except TypeError as exc:
+            # binding fails before the method's frame starts: the traceback ends here
+            if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                raise
+            raise KernelInputError(_bad_call(kernel, exc, args, kwargs)) from None
+
+    return checked
+
+
+def _bad_call(kernel: str, exc: TypeError, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """``rms_norm: no parameter 'wieght' (did you mean 'weight'?); its parameters: ...``."""
+    params = inspect.signature(SPECS[kernel].signature).parameters
+    unknown = [k for k in kwargs if k not in params]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], params, n=1)
+        problem = f"no parameter {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    elif len(args) > len(params):
+        problem = f"takes at most {len(params)} arguments, {len(args)} were given"
+    else:  # Python's words without its qualified name: "missing 1 required positional argument: 'x'"
+        problem = str(exc).split("() ", 1)[-1]
+    listed = ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params.values())
+    return f"{kernel}: {problem}; its parameters: {kernel}({listed})"
+
+
+for _kernel in SPECS:
+    setattr(Backend, _kernel, _naming_bad_calls(_kernel, getattr(KernelMethods, _kernel)))
+
+
+def check_name(name: Any) -> None:
+    """Raise `BackendError` unless ``name`` is a backend name (`NAME`)."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise BackendError(f"backend name {name!r} is not valid: expected lower-case letters and digits "
+                           "in words joined by single hyphens, such as 'acme-npu'")
 
 
 def _distributed(backend: Backend, values: list[Any], tensors: list[torch.Tensor]) -> list[Any] | None:
@@ -254,7 +307,14 @@ def describe_missing(missing: Mapping[str, tuple[str, ...]]) -> str:
 
 PASSED_THROUGH = (KernelInputError, KernelNotSupportedError, BackendError, torch.OutOfMemoryError)
 """What a kernel body may raise as it is: kpt's own errors, and running out of device memory (a
-condition of the machine that callers handle, not a fault of the backend)."""
+condition of the machine that callers handle, not a fault of the backend); running out of host
+memory too (`out_of_host_memory`)."""
+
+
+def out_of_host_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's CPU allocator failing: a plain RuntimeError, where the device's
+    allocator raises ``torch.OutOfMemoryError``."""
+    return type(exc) is RuntimeError and "DefaultCPUAllocator: can't allocate memory" in str(exc)
 
 
 def _guarded(backend: str, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
@@ -270,6 +330,8 @@ def _guarded(backend: str, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
             except PASSED_THROUGH:
                 raise
             except Exception as exc:
+                if out_of_host_memory(exc):
+                    raise
                 raise BackendError(f"backend {backend!r} failed in {kernel} ({part}): "
                                    f"{type(exc).__name__}: {exc}") from exc
 

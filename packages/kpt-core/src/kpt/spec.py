@@ -26,6 +26,7 @@ import contextlib
 import inspect
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -246,7 +247,7 @@ class Check:
             raise self.fail(arg, f"must be a torch.Tensor, got {type(t).__name__}")
         allowed = self.dtypes if dtypes is None else tuple(dtypes)
         if t.dtype not in allowed:
-            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            names = ", ".join(dict.fromkeys(str(d).removeprefix("torch.") for d in allowed))
             raise self.fail(arg, f"has dtype {t.dtype}; expected one of: {names}")
         rank = t.dim()
         if ndim is not None and rank != ndim:
@@ -297,11 +298,23 @@ class Check:
 
     def number(self, arg: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
                integer: bool = False) -> Any:
+        """A number in ``[low, high]`` that the ops' schema holds: an int64 if ``integer``, else an
+        int or float that converts to a float64 (``2**2000`` does not)."""
         kind = int if integer else (int, float)
+        what = "an integer" if integer else "a number"
         if isinstance(value, bool) or not isinstance(value, kind) or not (low <= value <= high):
-            what = "an integer" if integer else "a number"
-            raise self.fail(arg, f"is {value!r}; expected {what} in [{low}, {high}]")
+            raise self.fail(arg, f"is {_short(value)}; expected {what} in [{low}, {high}]")
+        if integer and not -(2**63) <= value < 2**63:
+            raise self.fail(arg, f"is {_short(value)}, outside the int64 range the kernels take")
+        if not integer and isinstance(value, int) and abs(value) > sys.float_info.max:
+            raise self.fail(arg, f"is an integer of {value.bit_length()} bits, too large for a float64")
         return value
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters (an integer of 2000 bits has 600 digits)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ---------------------------------------------------------------------------------------------

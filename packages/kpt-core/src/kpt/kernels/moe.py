@@ -57,7 +57,8 @@ from ..spec import (
 )
 
 INDEX_DTYPES = (torch.int32,)
-"""Routing tensors (indices, offsets, order) are int32: 2³¹ rows is beyond any single call."""
+"""Routing tensors (indices, offsets, order) are int32: a call whose experts, pairs or rows reach
+2³¹ is refused (`_int32_count`), as they could not be numbered."""
 
 
 def moe_gating(logits: Tensor, k: int, renormalize: bool = True) -> tuple[Tensor, Tensor]:
@@ -124,9 +125,16 @@ def _index(c: Check, arg: str, t: Any, ndim: int, like: Tensor) -> Tensor:
     return t
 
 
+def _int32_count(c: Check, arg: str, count: int, what: str, numbered: str) -> None:
+    """Refuse ``count`` things (experts, pairs, rows) of ``arg`` that int32 ``numbered`` cannot number."""
+    if count >= 2**31:
+        raise c.fail(arg, f"has {count} {what}, more than the int32 {numbered} can number (2**31 - 1)")
+
+
 def validate_moe_gating(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     c = Check("moe_gating", dtypes)
     logits = c.tensor("logits", a["logits"], ndim=2)
+    _int32_count(c, "logits", logits.shape[1], "experts", "indices")
     c.number("k", a["k"], low=1, high=logits.shape[1], integer=True)
     if not isinstance(a["renormalize"], bool):
         raise c.fail("renormalize", f"is {a['renormalize']!r}; expected True or False")
@@ -140,6 +148,7 @@ def validate_moe_dispatch(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     if indices.shape[0] != x.shape[0]:
         raise c.fail("indices", f"has shape {tuple(indices.shape)}; expected [{x.shape[0]}, k] "
                                 "(one row per token of x)")
+    _int32_count(c, "indices", indices.numel(), "(token, slot) pairs", "order and offsets")
     c.number("num_experts", a["num_experts"], low=1, high=2**31 - 1, integer=True)
     return a
 
@@ -155,6 +164,7 @@ def validate_grouped_linear(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
                                "(K of x_sorted)")
     offsets = _index(c, "offsets", a["offsets"], 1, x)
     c.shape("offsets", offsets, (weight.shape[0] + 1,))
+    _int32_count(c, "x_sorted", x.shape[0], "rows", "offsets")
     return a
 
 
@@ -168,6 +178,7 @@ def validate_moe_combine(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
                                 "(the rows of y_sorted)")
     order = _index(c, "order", a["order"], 1, y)
     c.shape("order", order, (y.shape[0],))
+    _int32_count(c, "order", order.shape[0], "(token, slot) pairs", "order")
     return a
 
 
