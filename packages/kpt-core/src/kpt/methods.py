@@ -176,8 +176,9 @@ class KernelMethods(abc.ABC):
         is not ``ignore_index`` raises in checked mode (`kpt.checked_values`); unchecked, its row's loss
         is NaN (so a reduced loss is NaN) and its gradient lacks the target's term.
         ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
-        logits' dtype. Differentiable with respect to ``logits``: the gradient is computed during the
-        forward pass (it takes the memory of the logits until the backward).
+        float32 (float64 for float64) whatever the logits' dtype, as ``F.cross_entropy(logits.float())``.
+        Differentiable with respect to ``logits``: the gradient is computed during the forward pass (it
+        takes the memory of the logits until the backward).
         """
         return self.call("cross_entropy", logits, target, ignore_index, label_smoothing, reduction)
 
@@ -197,8 +198,8 @@ class KernelMethods(abc.ABC):
         ``hidden``: ``[N, K]`` float; ``weight``: ``[V, K]``, hidden's dtype; ``bias``: ``[V]``, hidden's
         dtype or float32, or None; ``target``: ``[N]`` int64, out-of-range values as in
         `cross_entropy`. Logits and loss in float32 (float64 for float64). Returns a scalar (``[N]``
-        for "none") in hidden's dtype. Differentiable with respect to ``hidden``, ``weight`` and
-        ``bias``.
+        for "none") in float32 (float64 for float64) whatever hidden's dtype. Differentiable with
+        respect to ``hidden``, ``weight`` and ``bias``.
         """
         return self.call("linear_cross_entropy", hidden, weight, target, bias, ignore_index, reduction)
 

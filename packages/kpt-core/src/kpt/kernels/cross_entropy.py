@@ -68,8 +68,9 @@ def cross_entropy(
     is not ``ignore_index`` raises in checked mode (`kpt.checked_values`); unchecked, its row's loss
     is NaN (so a reduced loss is NaN) and its gradient lacks the target's term.
     ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
-    float32 (float64 for float64), whatever the logits' dtype, as ``F.cross_entropy(logits.float(), ...)``. Differentiable with respect to ``logits``: the gradient is computed during the
-    forward pass (it takes the memory of the logits until the backward).
+    float32 (float64 for float64) whatever the logits' dtype, as ``F.cross_entropy(logits.float())``.
+    Differentiable with respect to ``logits``: the gradient is computed during the forward pass (it
+    takes the memory of the logits until the backward).
     """
     raise AssertionError("signature only: call backend.cross_entropy")
 
@@ -85,8 +86,8 @@ def linear_cross_entropy(
     ``hidden``: ``[N, K]`` float; ``weight``: ``[V, K]``, hidden's dtype; ``bias``: ``[V]``, hidden's
     dtype or float32, or None; ``target``: ``[N]`` int64, out-of-range values as in
     `cross_entropy`. Logits and loss in float32 (float64 for float64). Returns a scalar (``[N]``
-    for "none") in float32 (float64 for float64), whatever hidden's dtype. Differentiable with respect to ``hidden``, ``weight`` and
-    ``bias``.
+    for "none") in float32 (float64 for float64) whatever hidden's dtype. Differentiable with
+    respect to ``hidden``, ``weight`` and ``bias``.
     """
     raise AssertionError("signature only: call backend.linear_cross_entropy")
 
