@@ -36,7 +36,7 @@ NAME = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 One spelling per name, so that names map one-to-one to op namespaces (``acme-npu`` is
 ``kpt_acme_npu``; ``acme_npu`` is not a name)."""
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2
 """The version of the kernel contract (docs/contract.md; its changes in CHANGELOG.md) that this
 kpt-core implements; backends declare the one they target."""
 
