@@ -16,7 +16,7 @@ def _ep(name: str, module: str) -> EntryPoint:
     return EntryPoint(name=name, value=f"kpt_fixture_plugins.{module}", group=ENTRY_POINT_GROUP)
 
 
-PLUGINS = [_ep("fixtures", "backends"), _ep("broken-import", "broken_import"), _ep("broken-hook", "broken_hook"),
+PLUGINS = [_ep("fixture", "backends"), _ep("broken-import", "broken_import"), _ep("broken-hook", "broken_hook"),
            _ep("wrong-types", "wrong_types"), _ep("not-a-list", "not_a_list")]
 
 
@@ -43,7 +43,7 @@ def test_environment_variable_selects(registry: kpt.Registry, monkeypatch: pytes
 
 
 def test_unknown_name_lists_registered(registry: kpt.Registry) -> None:
-    with pytest.raises(kpt.BackendError, match="unknown kpt backend 'nope'.*fixture-fast.*reference"):
+    with pytest.raises(kpt.BackendError, match="unknown kpt backend 'nope'; registered: .*fixture, .*reference"):
         registry.get("nope")
 
 
@@ -87,14 +87,14 @@ def test_list_reports_every_backend_and_failure(registry: kpt.Registry) -> None:
     assert "returned 'not a backend', which is not a kpt.Backend" in infos["wrong-types"].reason
     assert "not iterable" in infos["not-a-list"].error
     # a second backend named "reference" is refused under its own entry (plugin:name); the first one keeps the name
-    assert "already registered by plugin 'reference'" in infos["wrong-types:reference"].reason
+    assert "'reference' is kpt's, provided by kpt-core" in infos["wrong-types:reference"].reason
     assert infos["reference"].plugin == "reference" and registry.get("reference").name == "reference"
     assert [i.priority for i in registry.list()] == sorted((i.priority for i in registry.list()), reverse=True)
 
 
 @pytest.mark.parametrize("name, message", [
     ("fixture-incomplete", "missing kernels: rms_norm"),
-    ("fixture-wrong-version", "implements kernel contract v0, but this kpt-core implements v1"),
+    ("fixture-wrong-version", f"implements kernel contract v0, but this kpt-core implements v{kpt.CONTRACT_VERSION}"),
     ("fixture-unavailable", "not available here: no fixture device here"),
     ("broken-import", "plugin failed to load"),
 ])
@@ -111,7 +111,7 @@ def test_strict_mode_reraises_plugin_errors() -> None:
 def test_strict_mode_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KPT_STRICT_PLUGINS", "1")
     with pytest.raises(kpt.BackendError, match="contract v0"):
-        kpt.Registry([_ep("fixtures", "backends")])
+        kpt.Registry([_ep("fixture", "backends")])
 
 
 def test_plugin_backend_runs_kernels_in_its_own_namespace(registry: kpt.Registry) -> None:
