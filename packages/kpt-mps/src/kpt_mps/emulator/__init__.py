@@ -3,7 +3,9 @@
 A ``.metal`` source is compiled by the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``) as C++17 against ``include/kpt_metal_shim.h``, which stands in for ``<metal_stdlib>``,
 into a shared library cached by the hash of its source (``$KPT_MPS_CACHE``, else
-``~/.cache/kpt-mps``). Two things are rewritten on the way, nothing else:
+``~/.cache/kpt-mps``: a directory of this user that no one else may write, see `kpt.cache`; a cached
+library is loaded only if its bytes have the digest recorded when it was built). Two things are
+rewritten on the way, nothing else:
 
 * ``threadgroup T name[N];`` declarations become tracked arrays and ``threadgroup T*`` pointers
   tracked pointers (the race check);
@@ -30,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
+from kpt import cache
 
 INCLUDE = Path(str(resources.files(__package__).joinpath("include")))
 FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0",
@@ -127,19 +131,19 @@ def translate(source: str, origin: str = "<metal>") -> tuple[str, list[str]]:
     return f'#line 1 "{origin}"\n' + body + glue, kernels
 
 
+BUILD_TIMEOUT_S = 600
+"""How long one shader may take to compile before the build is given up."""
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("KPT_MPS_CACHE") or Path.home() / ".cache" / "kpt-mps"
-    path = Path(base)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        path = Path(tempfile.gettempdir()) / "kpt-mps"
-        path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where compiled shaders are kept (`kpt.cache.user_dir`); `PermissionError` for a
+    ``$KPT_MPS_CACHE`` that others could write to."""
+    return cache.user_dir("KPT_MPS_CACHE", "kpt-mps")
 
 
 def build(source: str, origin: str = "<metal>") -> Path:
-    """The shared library of ``source`` (compiled once per source, shim and flags)."""
+    """The shared library of ``source`` (compiled once per source, shim and flags): the cached
+    one if `kpt.cache.verified`, else built anew (replacing a file that only has its name)."""
     unit, _ = translate(source, origin)
     cxx = compiler()
     if cxx is None:
@@ -147,18 +151,21 @@ def build(source: str, origin: str = "<metal>") -> Path:
     shim = (INCLUDE / "kpt_metal_shim.h").read_text()
     key = hashlib.sha256("\0".join([unit, shim, cxx, *FLAGS]).encode()).hexdigest()[:20]
     target = cache_dir() / f"{Path(origin).stem}-{key}.so"
-    if target.exists():
+    if cache.verified(target):
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "unit.cpp"
         src.write_text(unit)
         out = Path(tmp) / target.name
         command = [cxx, *FLAGS, "-I", str(INCLUDE), "-include", "kpt_metal_shim.h", str(src), "-o", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise BuildError(f"{origin}: {cxx} took more than {BUILD_TIMEOUT_S} s; build given up") from None
         if done.returncode:
             raise BuildError(f"{origin} does not compile in the Metal emulator (outside the supported subset?):\n"
                              + done.stderr[-6000:])
-        os.replace(out, target)  # atomic: concurrent builders agree on the result
+        cache.store(out, target)  # atomic: concurrent builders agree on the result
     return target
 
 
