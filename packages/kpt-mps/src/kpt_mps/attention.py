@@ -4,7 +4,8 @@ over v that finds the inf and NaN values of the keys it hides) with its log-sum-
 backward in two dispatches, each recomputing the probabilities from the log-sum-exp: dq (one
 simdgroup per block of 8 queries; it also writes the row statistic delta = rowsum(dO ⊙ O)), then dk
 and dv (one simdgroup per block of 8 keys, over the queries of every head of its key/value head's
-group)."""
+group). The optional boolean mask is read in place through its strides (`_mask`), by every kernel
+where it applies the causal mask."""
 
 from __future__ import annotations
 
@@ -13,10 +14,23 @@ import torch
 from . import metal
 
 
-def _params(q, k, causal, scale):
+def _params(q, k, causal, scale, mask):
     b, hq, sq, d = q.shape
-    return (metal.ints(b, hq, k.shape[1], sq, k.shape[2], d, causal, metal.code(q), like=q),
+    strides = (0, 0, 0, 0) if mask is None else mask.stride()
+    return (metal.ints(b, hq, k.shape[1], sq, k.shape[2], d, causal, metal.code(q), mask is not None, *strides,
+                       like=q),
             metal.floats(scale, like=q))
+
+
+def _mask(mask, like):
+    """The buffer of the ``[B, Hq, Sq, Skv]`` bool mask, read by the shaders through its strides: the
+    span of its storage that the view covers, as bytes, not a copy (the view core passes broadcasts
+    with stride 0, so a key-padding mask stays ``[B, 1, 1, Skv]`` in memory); a placeholder without
+    a mask (or an empty one, which no thread reads)."""
+    if mask is None or mask.numel() == 0:
+        return metal.buffer(None, like=like)
+    span = 1 + sum((n - 1) * s for n, s in zip(mask.shape, mask.stride()))
+    return mask.as_strided((span,), (1,), mask.storage_offset()).view(torch.uint8)
 
 
 def _simdgroups(*shape):
@@ -34,28 +48,29 @@ def _last_nonfinite(v):
     return last
 
 
-def attention_fwd(q, k, v, causal, scale):
+def attention_fwd(q, k, v, causal, scale, mask):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     # with a causal mask some keys are hidden from some queries, and the forward never loads them:
     # where their v holds inf or NaN the reference's p · v gives NaN (0 · inf), so the kernel is told
     last = _last_nonfinite(v) if causal and q.shape[2] > 1 else metal.buffer(None, like=q)
-    metal.launch("attention", "attention_fwd", [q, k, v, last, o, lse, *_params(q, k, causal, scale)],
+    metal.launch("attention", "attention_fwd", [q, k, v, last, _mask(mask, q), o, lse,
+                                                *_params(q, k, causal, scale, mask)],
                  _simdgroups(*q.shape[:3]), 32)
     return o, lse
 
 
-def attention_bwd(q, k, v, causal, scale, o, lse, do):
+def attention_bwd(q, k, v, causal, scale, mask, o, lse, do):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if do is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     do = do.contiguous()
-    params = _params(q, k, causal, scale)
+    params, m = _params(q, k, causal, scale, mask), _mask(mask, q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
-    metal.launch("attention", "attention_bwd_dq", [q, k, v, o.contiguous(), lse.contiguous(), do, delta, dq, *params],
-                 _simdgroups(*q.shape[:3]), 32)
-    metal.launch("attention", "attention_bwd_dkv", [q, k, v, lse.contiguous(), do, delta, dk, dv, *params],
+    metal.launch("attention", "attention_bwd_dq",
+                 [q, k, v, o.contiguous(), lse.contiguous(), do, m, delta, dq, *params], _simdgroups(*q.shape[:3]), 32)
+    metal.launch("attention", "attention_bwd_dkv", [q, k, v, lse.contiguous(), do, delta, m, dk, dv, *params],
                  _simdgroups(*k.shape[:3]), 32)
     return dq, dk, dv

@@ -1,8 +1,13 @@
-// Attention with grouped-query heads and a bottom-right causal mask (kpt.kernels.attention's math):
-// forward and backward tiled with 8×8 simdgroup_matrix products, one simdgroup (32 threads) per
-// threadgroup; the forward with an online softmax, the backward from the forward's log-sum-exp.
-// q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], query head h reads key/value head h / (Hq / Hkv);
-// query i sees keys j <= i + Skv − Sq (causal). A query that sees no key gives o = 0, lse = −∞.
+// Attention with grouped-query heads, a bottom-right causal mask and an optional boolean mask
+// (kpt.kernels.attention's math): forward and backward tiled with 8×8 simdgroup_matrix products, one
+// simdgroup (32 threads) per threadgroup; the forward with an online softmax, the backward from the
+// forward's log-sum-exp. q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], query head h reads key/value
+// head h / (Hq / Hkv); query i sees key j where j <= i + Skv − Sq (causal) and mask[b, h, i, j] is
+// true (one byte per pair, read through its element strides: 0 on the dimensions it is broadcast
+// over). A query that sees no key gives o = 0, lse = −∞, and zero gradients.
+//
+// ip of every kernel below but attention_last_nonfinite: B, Hq, Hkv, Sq, Skv, D, causal, dtype code,
+// has_mask, then the mask's strides over B, Hq, Sq, Skv (without a mask the buffer is never read).
 //
 // Special values in the forward give what the reference's dense math gives: a NaN score makes its
 // row's o and lse NaN; a +∞ score gives lse = +∞ and o = NaN (exp(∞ − ∞)); a key hidden by the
@@ -13,6 +18,12 @@
 // holding an ∞ or NaN, and the forward's epilogue applies it.
 
 constant int MAX_HEAD_DIM = 256;
+
+// Whether the boolean mask lets query i of (batch b, query head h) see key j (true without a mask);
+// i and j must lie within the sequences.
+inline bool attention_allowed(device const uchar* mask, constant long* ip, long b, long h, long i, long j) {
+  return ip[8] == 0 || mask[b * ip[9] + h * ip[10] + i * ip[11] + j * ip[12]] != 0;
+}
 
 // For each (batch, key/value head, column c) of v [B, Hkv, Skv, D]: the last row j whose v[j, c] is
 // ±∞ or NaN, −1 if none (one thread per column, reading the rows from the end; a grid-stride loop).
@@ -39,12 +50,14 @@ kernel void attention_last_nonfinite(device const uchar* v [[buffer(0)]], device
 // (3 × 8 × 256 floats = 24 KB) and the score tile. The running max is subtracted only where it is
 // finite: a row that has seen no key keeps m = −∞ (exp(−∞) = 0, not NaN), one that met a +∞ score
 // gets m = +∞ and l = +∞ (lse = +∞; o = P·V / l is NaN, as the reference's exp(∞ − ∞)).
+// A key the boolean mask hides is loaded and multiplied by p = 0, as in the reference's p·v.
 // last_nonfinite: attention_last_nonfinite of v, [B, Hkv, D], read only when causal with Sq > 1.
-// ip: B, Hq, Hkv, Sq, Skv, D, causal, dtype code; fp: scale
+// ip: as above; fp: scale
 kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const uchar* k [[buffer(1)]],
                           device const uchar* v [[buffer(2)]], device const int* last_nonfinite [[buffer(3)]],
-                          device uchar* o [[buffer(4)]], device float* lse [[buffer(5)]],
-                          constant long* ip [[buffer(6)]], constant float* fp [[buffer(7)]],
+                          device const uchar* mask [[buffer(4)]], device uchar* o [[buffer(5)]],
+                          device float* lse [[buffer(6)]], constant long* ip [[buffer(7)]],
+                          constant float* fp [[buffer(8)]],
                           uint blk [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float qs[8 * MAX_HEAD_DIM];
   threadgroup float kvs[8 * MAX_HEAD_DIM];
@@ -91,7 +104,8 @@ kernel void attention_fwd(device const uchar* q [[buffer(0)]], device const ucha
       float m = stat[lane], block_max = -INFINITY;
       for (int j = 0; j < 8; ++j) {
         float sc = ss[lane * 8 + j];
-        sv[j] = (i < sq && j0 + j <= last && j0 + j < skv) ? sc * scale : -INFINITY;
+        bool seen = i < sq && j0 + j <= last && j0 + j < skv && attention_allowed(mask, ip, b, h, i, j0 + j);
+        sv[j] = seen ? sc * scale : -INFINITY;
         block_max = max(block_max, sv[j]);
       }
       float m_new = max(m, block_max);  // max drops NaN scores: their p below is NaN
@@ -170,8 +184,9 @@ inline float attention_backward_lse(float lse) {
 kernel void attention_bwd_dq(device const uchar* q [[buffer(0)]], device const uchar* k [[buffer(1)]],
                              device const uchar* v [[buffer(2)]], device const uchar* o [[buffer(3)]],
                              device const float* lse [[buffer(4)]], device const uchar* dout [[buffer(5)]],
-                             device float* delta [[buffer(6)]], device uchar* dq [[buffer(7)]],
-                             constant long* ip [[buffer(8)]], constant float* fp [[buffer(9)]],
+                             device const uchar* mask [[buffer(6)]], device float* delta [[buffer(7)]],
+                             device uchar* dq [[buffer(8)]], constant long* ip [[buffer(9)]],
+                             constant float* fp [[buffer(10)]],
                              uint blk [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float qs[8 * MAX_HEAD_DIM];
   threadgroup float dos[8 * MAX_HEAD_DIM];
@@ -238,7 +253,9 @@ kernel void attention_bwd_dq(device const uchar* q [[buffer(0)]], device const u
     for (int e = int(lane); e < 64; e += 32) {  // the tile's elements, two per lane
       long r = e / 8, j = e % 8;
       float s = ss[e], dpv = dps[e], stat = rows[r], dl = rows[8 + r];
-      float p = attention_visible(i0 + r, j0 + j, sq, skv, causal) ? precise::exp(s * scale - stat) : 0.0f;
+      bool seen = attention_visible(i0 + r, j0 + j, sq, skv, causal) &&
+                  attention_allowed(mask, ip, b, h, i0 + r, j0 + j);
+      float p = seen ? precise::exp(s * scale - stat) : 0.0f;
       ss[e] = p * (dpv - dl);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -267,8 +284,9 @@ kernel void attention_bwd_dq(device const uchar* q [[buffer(0)]], device const u
 kernel void attention_bwd_dkv(device const uchar* q [[buffer(0)]], device const uchar* k [[buffer(1)]],
                               device const uchar* v [[buffer(2)]], device const float* lse [[buffer(3)]],
                               device const uchar* dout [[buffer(4)]], device const float* delta [[buffer(5)]],
-                              device uchar* dk [[buffer(6)]], device uchar* dv [[buffer(7)]],
-                              constant long* ip [[buffer(8)]], constant float* fp [[buffer(9)]],
+                              device const uchar* mask [[buffer(6)]], device uchar* dk [[buffer(7)]],
+                              device uchar* dv [[buffer(8)]], constant long* ip [[buffer(9)]],
+                              constant float* fp [[buffer(10)]],
                               uint blk [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float ks[8 * MAX_HEAD_DIM];
   threadgroup float vs[8 * MAX_HEAD_DIM];
@@ -321,7 +339,9 @@ kernel void attention_bwd_dkv(device const uchar* q [[buffer(0)]], device const 
       for (int e = int(lane); e < 64; e += 32) {  // the tile's elements, two per lane
         long r = e / 8, j = e % 8;
         float s = ss[e], stat = rows[r];
-        ss[e] = attention_visible(i0 + r, j0 + j, sq, skv, causal) ? precise::exp(s * scale - stat) : 0.0f;
+        bool seen = attention_visible(i0 + r, j0 + j, sq, skv, causal) &&
+                    attention_allowed(mask, ip, b, h, i0 + r, j0 + j);
+        ss[e] = seen ? precise::exp(s * scale - stat) : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // P is written and every lane has read Q
       for (long e = lane; e < 8 * dp; e += 32) {
