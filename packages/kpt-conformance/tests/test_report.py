@@ -60,9 +60,10 @@ def test_markdown_names_failing_cases_and_missing_bodies() -> None:
     kernels = {"rms_norm": summarize([present(), numerics("failed", math.inf, "tiny", "inputs scaled by 1e-4")]),
                "silu": summarize([present("failed", ("backward",)), numerics("passed", 0.1)])}
     data = {"backend": "acme", "profile": "acme", "versions": {"kpt": "0.1.0", "triton": None}, "device": "cpu",
-            "seed": 42, "environment": {}, "kernels": kernels}
+            "seed": 42, "replay": "kpt check --backend acme --kernels rms_norm,silu --seed 42", "environment": {},
+            "kernels": kernels}
     text = markdown(data)
     assert "| rms_norm | **fail** | 1 | 1 | 0 | NaN/inf |" in text
     assert "| silu | **missing (backward)** | 1 | 1 | 0 | 0.1 |" in text
     assert "- rms_norm (tiny: inputs scaled by 1e-4, float32, forward): y: relative error norm" in text
-    assert "kpt check --backend acme --seed 42" in text
+    assert "`kpt check --backend acme --kernels rms_norm,silu --seed 42` replays them" in text

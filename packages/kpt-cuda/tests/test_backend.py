@@ -70,8 +70,9 @@ def test_unavailable_reasons(monkeypatch, case, reason):
     available, why = be.is_available()
     assert not available and reason in why
     # the reason says how to run the kernels without the device; reports record the device's status
-    status = why.removesuffix(" (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors)")
+    status = why.partition(" (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors")[0]
     assert status != why and status in be.environment()["device"]
+    assert why.endswith("with numpy: pip install 'kpt-cuda[interpret]')")  # the interpreter's extra
 
 
 @pytest.mark.parametrize("cc, gib, arch", [((8, 0), 80, "sm80"), ((8, 9), 24, "sm80"), ((9, 0), 80, "sm90"),

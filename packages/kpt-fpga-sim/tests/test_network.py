@@ -311,6 +311,7 @@ def test_estimate_cli(tmp_path, capsys) -> None:
     g = _gen()
     path = tmp_path / "mlp.pt"
     torch.save(_mlp(g, 16, 8, 4), path)
-    assert main(["estimate", str(path), "--input-shape", "1,16", "--reuse", "2", "--io", "stream", "--json"]) == 0
+    assert main(["estimate", str(path), "--trust-pickle", "--input-shape", "1,16", "--reuse", "2", "--io", "stream",
+                 "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["io"] == "stream" and data["interval"] >= 2 and len(data["layers"]) == 3

@@ -77,8 +77,9 @@ def test_unavailable_reasons(monkeypatch, hip, cuda, visible, arch, reason):
     available, why = be.is_available()
     assert not available and reason in why
     # the reason says how to run the kernels without the device; reports record the device's status
-    status = why.removesuffix(" (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors)")
+    status = why.partition(" (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors")[0]
     assert status != why and status in be.environment()["device"]
+    assert why.endswith("with numpy: pip install 'kpt-rocm[interpret]')")  # the interpreter's extra
 
 
 @pytest.mark.parametrize("name, arch", [("gfx942:sramecc+:xnack-", "gfx942"), ("gfx950", "gfx950"),

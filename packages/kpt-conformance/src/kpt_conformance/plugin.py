@@ -8,7 +8,13 @@ A backend is checked kernel by kernel: a kernel it lacks fails its presence test
 missing forward or backward, and the tests that would call the missing body are deselected; every
 other kernel is tested as usual. Known gaps are data, not code: a strict xfail file (one test id or
 glob per line, ``# reason`` required) marks tests expected to fail; a listed test that passes
-fails the run. The report goes to ``--kpt-report`` (default ``reports/<profile>/``).
+fails the run. The report goes to ``--kpt-report`` (default ``reports/<profile>/``); a report
+already there is kept unless ``--kpt-force`` is given.
+
+Anything that makes a run meaningless stops it in `pytest_configure`, before any test, with one
+line (`pytest.UsageError`, exit status 4) and no report: a backend that is unknown, failed to
+load or cannot run here, a profile that is not a name, an unknown kernel or dtype, a bad device,
+a missing xfail file, an existing report.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import random
+import re
+import shlex
 import zlib
 from pathlib import Path
 
@@ -23,19 +31,22 @@ import pytest
 import torch
 
 import kpt
-from kpt_conformance.report import Report
+from kpt_conformance.report import FILES, Report, environment
+
+PROFILE = re.compile(r"[a-z0-9][a-z0-9-]*")
+"""What a `kpt.Backend.conformance_profile` may be: it names a directory and a file."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kpt")
-    group.addoption("--kpt-backend", default=os.environ.get("KPT_BACKEND", "reference"),
-                    help="backend under test (default: $KPT_BACKEND or reference)")
+    group.addoption("--kpt-backend", default=None, help="backend under test (default: $KPT_BACKEND or reference)")
     group.addoption("--kpt-device", default=None, help="device of the inputs (default: the backend's)")
     group.addoption("--kpt-dtypes", default="", help="comma-separated dtypes (default: every dtype of the backend)")
     group.addoption("--kpt-kernels", default="", help="comma-separated kernels (default: every kernel)")
     group.addoption("--kpt-xfails", default=None,
                     help="xfail file, or a directory holding <profile>.txt (default: none)")
     group.addoption("--kpt-report", default=None, help="report directory (default: reports/<profile>)")
+    group.addoption("--kpt-force", action="store_true", help="replace a report already in the report directory")
     group.addoption("--kpt-seed", type=int, default=None, help="replay a run's random inputs (default: fresh)")
     group.addoption("--kpt-fuzz-examples", type=int, default=25,
                     help="invalid calls hypothesis tries per kernel (default: 25)")
@@ -43,25 +54,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="valid calls hypothesis checks against the oracle per kernel (default: 3)")
 
 
-def _load_backend(name: str) -> tuple[kpt.Backend | None, str, dict[str, tuple[str, ...]]]:
-    """The backend under test, why it cannot be tested ("" when it can) and the bodies it lacks.
+def _backend_name(config: pytest.Config) -> tuple[str, str]:
+    """The backend under test, and where its name came from (for the messages)."""
+    name = config.getoption("--kpt-backend")
+    if name:
+        return name, ""
+    if os.environ.get("KPT_BACKEND"):
+        return os.environ["KPT_BACKEND"], " (named by KPT_BACKEND)"
+    return "reference", ""
 
-    A backend the registry refused only for lacking kernels is tested: kernel by kernel."""
-    registry = kpt.registry.registry()
-    backend = registry.find(name)
-    if backend is None:
-        info = registry.infos.get(name)
-        if info is not None:
-            return None, f"backend {name!r} {info.reason}: {info.error}", {}
-        return None, f"backend {name!r} is not installed; registered: {', '.join(sorted(registry.infos))}", {}
-    if backend.contract_version != kpt.CONTRACT_VERSION:
-        return backend, registry.infos[name].reason, {}
+
+def _load_backend(name: str, source: str = "") -> tuple[kpt.Backend, dict[str, tuple[str, ...]]]:
+    """The backend under test and the bodies it lacks; `pytest.UsageError` when it cannot be
+    tested here. A backend the registry refused only for lacking kernels is tested: kernel by
+    kernel."""
+    backend = kpt.registry.registry().find(name)
+    if backend is None or backend.contract_version != kpt.CONTRACT_VERSION:
+        try:
+            kpt.get_backend(name)
+        except kpt.BackendError as exc:  # says why (and, for kpt's own backends, what to install)
+            hint = "" if "pip install" in str(exc) else (
+                ". Each backend comes in its own package: pip install kpt-cuda, kpt-rocm, kpt-xpu, kpt-mps or "
+                "kpt-fpga-sim, or a vendor's")
+            raise pytest.UsageError(f"{exc}{source}{hint}") from None
+        raise pytest.UsageError(f"backend {name!r}{source} cannot be checked: the registry holds no such backend")
     try:
         missing = kpt.missing_kernels(backend.kernels())
         available, why = backend.is_available()
-    except Exception as exc:  # the registry recorded it too; here it makes every test fail with it
-        return backend, f"kernels() or is_available() raised {exc!r}", {}
-    return backend, "" if available else why, missing
+    except Exception as exc:
+        raise pytest.UsageError(f"backend {name!r}{source}: kernels() or is_available() raised {exc!r}") from exc
+    if not available:
+        raise pytest.UsageError(f"backend {name!r}{source} cannot run here: {why}")
+    return backend, missing
 
 
 def _names(option: str, allowed: list[str], what: str) -> list[str]:
@@ -72,54 +96,78 @@ def _names(option: str, allowed: list[str], what: str) -> list[str]:
     return names
 
 
+def _device(config: pytest.Config, backend: kpt.Backend) -> torch.device:
+    option = config.getoption("--kpt-device")
+    if not option:
+        return backend.device()
+    try:
+        return torch.device(option)
+    except RuntimeError as exc:
+        raise pytest.UsageError(f"--device {option!r} is not a torch device (cpu, cuda:1, xpu, mps): {exc}") from exc
+
+
+def replay_command(config: pytest.Config) -> str:
+    """The ``kpt check`` line that runs these tests again on the same inputs: the options given
+    (kernels, dtypes, device, xfails, pytest's ``-k`` and ``-m``), with the run's seed."""
+    words = ["kpt", "check", "--backend", config.kpt_name]
+    for option, flag in (("--kpt-device", "--device"), ("--kpt-dtypes", "--dtypes"),
+                         ("--kpt-kernels", "--kernels"), ("--kpt-xfails", "--xfails")):
+        if config.getoption(option):
+            words += [flag, str(config.getoption(option))]
+    words += ["--seed", str(config.kpt_base_seed)]
+    selection = [w for flag, value in (("-k", config.option.keyword), ("-m", config.option.markexpr)) if value
+                 for w in (flag, value)]
+    return shlex.join([*words, *(["--", *selection] if selection else [])])
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    name = config.getoption("--kpt-backend")
-    backend, why, missing = _load_backend(name)
+    name, source = _backend_name(config)
+    backend, missing = _load_backend(name, source)
+    config.kpt_name = name
     config.kpt_backend = backend
-    config.kpt_unusable = why
     config.kpt_missing = missing
-    device = config.getoption("--kpt-device")
-    config.kpt_device = torch.device(device) if device else backend.device() if backend else torch.device("cpu")
-    dtypes = {str(d).removeprefix("torch."): d for d in (backend.dtypes if backend else kpt.FLOAT_DTYPES)}
+    config.kpt_device = _device(config, backend)
+    dtypes = {str(d).removeprefix("torch."): d for d in backend.dtypes}
     chosen = _names(config.getoption("--kpt-dtypes"), list(dtypes), f"dtypes for backend {name!r}")
     config.kpt_dtypes = tuple(dtypes[d] for d in chosen) or tuple(dtypes.values())
     config.kpt_kernels = _names(config.getoption("--kpt-kernels"), list(kpt.SPECS), "kernels") or list(kpt.SPECS)
-    profile = backend.conformance_profile if backend else name
+    profile = backend.conformance_profile
+    if not isinstance(profile, str) or not PROFILE.fullmatch(profile):
+        raise pytest.UsageError(f"backend {name!r} names its conformance profile {profile!r}, which is not a "
+                                "name ([a-z0-9][a-z0-9-]*): it names the report directory and the xfail file")
     config.kpt_profile = profile
+    config.kpt_xfails = _xfails(config.getoption("--kpt-xfails"), profile)
+    report_dir = Path(config.getoption("--kpt-report") or Path("reports") / profile)
+    existing = [f for f in FILES if (report_dir / f).exists()]
+    if existing and not config.getoption("--kpt-force"):
+        raise pytest.UsageError(f"{report_dir} already holds a report ({', '.join(existing)}): keeping it. "
+                                "Give --force to replace it, or --report another directory")
     seed = config.getoption("--kpt-seed")
     config.kpt_base_seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     # each test draws from its own seed, so a run of some tests replays them as the whole run drew them
     config.kpt_seed = lambda test_id: (config.kpt_base_seed + zlib.crc32(test_id.encode())) % 2**31
-    report_dir = Path(config.getoption("--kpt-report") or Path("reports") / profile)
-    config.kpt_report = Report(name, profile, backend, config.kpt_device, config.kpt_base_seed, report_dir)
+    config.kpt_report = Report(name, profile, backend, config.kpt_device, config.kpt_base_seed, report_dir,
+                               replay=replay_command(config))
     config.pluginmanager.register(config.kpt_report, "kpt-report")
 
 
 def _replay(config: pytest.Config) -> str:
-    return f"inputs seed {config.kpt_base_seed} (replay with --seed {config.kpt_base_seed})"
+    return f"inputs seed {config.kpt_base_seed} (replay: {replay_command(config)})"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    be = config.kpt_backend
-    lines = [f"kpt backend: {config.getoption('--kpt-backend')} (profile {config.kpt_profile}) "
-             f"on {config.kpt_device}, {_replay(config)}"]
-    if be is not None:
-        lines.append("kpt environment: " + ", ".join(f"{k}={v}" for k, v in be.environment().items()))
-    if config.kpt_unusable:
-        lines.append(f"kpt backend unusable: {config.kpt_unusable}")
-    return lines
+    env = ", ".join(f"{k}={v}" for k, v in environment(config.kpt_backend).items())
+    return [f"kpt backend: {config.kpt_name} (profile {config.kpt_profile}) on {config.kpt_device}, "
+            f"{_replay(config)}", f"kpt environment: {env}"]
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     # the header is hidden under -q; the seed must survive any verbosity
-    terminalreporter.write_line(f"kpt {config.getoption('--kpt-backend')}: {_replay(config)}; "
-                                f"report in {config.kpt_report.directory}")
+    terminalreporter.write_line(f"kpt {config.kpt_name}: {_replay(config)}; report in {config.kpt_report.directory}")
 
 
 @pytest.fixture(scope="session")
 def backend(pytestconfig: pytest.Config) -> kpt.Backend:
-    if pytestconfig.kpt_backend is None or pytestconfig.kpt_unusable:
-        pytest.fail(f"backend cannot be tested: {pytestconfig.kpt_unusable}", pytrace=False)
     if pytestconfig.kpt_device.type == "cuda" and pytestconfig.kpt_device.index is not None:
         torch.cuda.set_device(pytestconfig.kpt_device)  # kernels launch on the current device
     return pytestconfig.kpt_backend
@@ -131,15 +179,18 @@ def device(pytestconfig: pytest.Config) -> torch.device:
     return pytestconfig.kpt_device
 
 
-def _xfails(config: pytest.Config) -> dict[str, str]:
-    option = config.getoption("--kpt-xfails")
+def _xfails(option: str | None, profile: str) -> dict[str, str]:
+    """The xfail entries of ``--kpt-xfails`` (a file, or a directory holding ``<profile>.txt``):
+    test id or glob -> reason."""
     if option is None:
         return {}
     path = Path(option)
     if path.is_dir():
-        path = path / f"{config.kpt_profile}.txt"
+        path = path / f"{profile}.txt"
         if not path.exists():
             return {}
+    elif not path.is_file():
+        raise pytest.UsageError(f"--xfails {option}: no such file or directory")
     entries = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -165,7 +216,7 @@ def kernel_and_part(item: pytest.Item) -> tuple[str | None, str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    entries = _xfails(config)
+    entries = config.kpt_xfails
     selected, deselected = [], []
     for item in items:
         kernel, part = kernel_and_part(item)

@@ -5,7 +5,8 @@
     {"schema_version": 2, "backend": name, "profile": ..., "versions": {"kpt": ..., "contract": int,
      "backend": ..., "torch": ..., "triton": ... or null, "python": ...}, "device": "cpu",
      "machine": "x86_64", "timestamp": "2026-11-25T18:00:00+00:00", "seed": int,
-     "environment": {...the backend's facts...},
+     "replay": "kpt check --backend name --kernels ... --seed int",
+     "environment": {field: str, ...: the backend's facts, only the fields of ENVIRONMENT_FIELDS},
      "kernels": {name: {"status": "pass" | "fail" | "missing" | "xfail", "worst_error_ratio": float,
                         "passed": int, "failed": int, "xfailed": int, "missing": ["backward"],
                         "failing": [{"test", "kind", "case", "description", "dtype",
@@ -17,7 +18,12 @@
 failing ones included (above 1 is a failure; a NaN result or an unwritten element is Infinity).
 ``status`` is ``fail`` when any test of the kernel failed, else ``missing`` when it lacks a forward
 or backward body, else ``xfail`` when a test declared in the xfail file failed as expected, else
-``pass``. Replaying ``seed`` (``kpt check --seed``) draws the same inputs.
+``pass``. Replaying ``seed`` (``kpt check --seed``) draws the same inputs; ``replay`` is the whole
+command that does it, with the run's options.
+
+The report is written only as ``conformance.json`` and ``conformance.md`` in the chosen
+directory, and the backend's `kpt.Backend.environment` only through `environment`: named fields,
+one-line strings, whatever else a plugin returns is left out.
 """
 
 from __future__ import annotations
@@ -36,11 +42,27 @@ from kpt.overview import provenance
 
 SCHEMA_VERSION = 2
 
+FILES = ("conformance.json", "conformance.md")
+"""What a report is: the only files it writes, in its directory."""
 
-def _backend_version(backend: kpt.Backend | None) -> str | None:
+ENVIRONMENT_FIELDS = ("torch", "triton", "cuda", "hip", "xpu", "cupy", "driver", "device", "arch", "capability",
+                      "sm_count", "compute_units", "sub_group_sizes", "machine", "fpga_sim")
+"""The facts of `kpt.Backend.environment` a report records: versions and the device's description."""
+
+_MAX_FIELD = 200
+
+
+def environment(backend: kpt.Backend) -> dict[str, str]:
+    """The backend's `kpt.Backend.environment` as reports record it: the fields named in
+    `ENVIRONMENT_FIELDS` whose values are strings, each cut to one line of at most 200
+    characters; any other field (an ``os.environ`` a plugin returns, say) is left out."""
+    facts = backend.environment()
+    return {k: v.splitlines()[0][:_MAX_FIELD] if v else v for k, v in facts.items()
+            if k in ENVIRONMENT_FIELDS and isinstance(v, str)}
+
+
+def _backend_version(backend: kpt.Backend) -> str | None:
     """The version of the distribution that installed the backend's module."""
-    if backend is None:
-        return None
     top = type(backend).__module__.partition(".")[0]
     distributions = metadata.packages_distributions().get(top, [])
     try:
@@ -61,14 +83,15 @@ def _message(report) -> str:
 class Report:
     """A pytest plugin that collects the ``kpt`` property of every test and writes the report."""
 
-    def __init__(self, name: str, profile: str, backend: kpt.Backend | None, device: torch.device, seed: int,
-                 directory: Path) -> None:
+    def __init__(self, name: str, profile: str, backend: kpt.Backend, device: torch.device, seed: int,
+                 directory: Path, replay: str) -> None:
         self.name = name
         self.profile = profile
         self.backend = backend
         self.device = device
         self.seed = seed
         self.directory = directory
+        self.replay = replay
         self.results: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report) -> None:
@@ -90,19 +113,20 @@ class Report:
         return {k: summarize(by_kernel[k]) for k in kpt.SPECS if k in by_kernel}
 
     def data(self) -> dict[str, Any]:
-        env = self.backend.environment() if self.backend else {}
         run = provenance(self.device)
         run["versions"]["backend"] = _backend_version(self.backend)
         return {"schema_version": SCHEMA_VERSION, "backend": self.name, "profile": self.profile, **run,
-                "seed": self.seed, "environment": env, "kernels": self.kernels(), "results": self.results}
+                "seed": self.seed, "replay": self.replay, "environment": environment(self.backend),
+                "kernels": self.kernels(), "results": self.results}
 
     def pytest_sessionfinish(self, session) -> None:
         if not self.results:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         data = self.data()
-        (self.directory / "conformance.json").write_text(json.dumps(data, indent=1, default=str))
-        (self.directory / "conformance.md").write_text(markdown(data))
+        json_file, md_file = (self.directory / f for f in FILES)
+        json_file.write_text(json.dumps(data, indent=1, default=str))
+        md_file.write_text(markdown(data))
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -142,7 +166,7 @@ def markdown(data: dict[str, Any]) -> str:
     env = ", ".join(f"{k} {v}" for k, v in data["environment"].items())
     lines = [f"### Conformance: `{data['backend']}` (profile `{data['profile']}`)", "",
              f"Versions: {versions}. Device: {data['device']}. Environment: {env}.", "",
-             f"Inputs seed {data['seed']}: `kpt check --backend {data['backend']} --seed {data['seed']}` replays them.",
+             f"Inputs seed {data['seed']}: `{data['replay']}` replays them.",
              "", "| kernel | status | passed | failed | xfailed | worst err / tol | speed |",
              "|---|---|---|---|---|---|---|"]
     kernels = data["kernels"]

@@ -1,35 +1,71 @@
-"""The ``kpt`` command. Each subcommand parses its options and calls one library function.
+"""The ``kpt`` command: core's own subcommands, and those the installed kpt packages add.
 
     kpt info                        # versions, backends (usable here or why not), kernels
-    kpt fpga-report compare linear --shape 8192,8192,8192 --device u280 --reuse 1,2,4   # the FPGA simulator's
-    kpt fpga-report estimate model.pt --input-shape 1,16                                # cost reports
-    kpt check --backend mydevice [--device cuda:1] [--dtypes float32,bfloat16] [--kernels rms_norm,silu]
-              [--seed N] [--report DIR] [--xfails FILE_OR_DIR] [-- PYTEST_ARGS...]
     kpt bench --backend cuda [--kernels rms_norm,softmax] [--sweep perf|models|attention|linear|all] [--plot]
+    kpt check --backend mydevice ...                     # from kpt-conformance: the conformance suite
+    kpt fpga-report compare linear --shape 64,64,64      # from kpt-fpga-sim: the simulator's cost reports
+    kpt --version                   # kpt-core's version and the installed kpt packages'
+
+``python -m kpt`` is the same command and always works: on some machines ``kpt`` on the PATH is
+another program (Google's Kubernetes tool of that name, from google-cloud-sdk).
+
+Core imports no plugin. A package adds a subcommand through an entry point of the
+``kpt.commands`` group, named as the subcommand and pointing at a `Command`::
+
+    [project.entry-points."kpt.commands"]
+    check = "kpt_conformance.command:COMMAND"
+
+A subcommand's module is imported only when that subcommand runs, or when ``kpt --help`` lists
+them all. One that fails to import gives one line naming its package; the other subcommands,
+``kpt info`` among them, are unaffected. Core's own subcommands (`BUILTIN`) cannot be taken over
+by a plugin. Every mistake on the command line is one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import re
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+
+from .errors import BackendError, KernelInputError, KernelNotSupportedError
+
+COMMAND_GROUP = "kpt.commands"
+
+PROVIDERS = {"check": "kpt-conformance", "fpga-report": "kpt-fpga-sim"}
+"""The subcommands of the project's own packages, to name the package to install when one is missing."""
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
+@dataclass(frozen=True)
+class Command:
+    """One subcommand of ``kpt``: what a ``kpt.commands`` entry point points at."""
+
+    help: str
+    """One line for ``kpt --help``."""
+    description: str
+    """The paragraph at the top of ``kpt NAME --help``."""
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    """Adds the subcommand's options (and its own subcommands, if any) to its parser."""
+    run: Callable[[argparse.Namespace], int]
+    """Runs it on the parsed options; returns the exit status. Raise `UsageError` for a mistake
+    in the options: it is printed as one line."""
 
 
-def _check(args: argparse.Namespace) -> int:
-    try:
-        from kpt_conformance import check
-    except ImportError:
-        sys.exit("kpt check needs the conformance suite: pip install kpt-conformance")
-    from kpt_conformance.progress import progress_plugins
+class UsageError(Exception):
+    """A mistake on the command line (a missing file, a bad shape, an unknown name): printed as
+    ``<command>: error: <message>`` on one line, exit status 2."""
 
-    return check(args.backend, device=args.device, dtypes=args.dtypes, kernels=args.kernels, seed=args.seed,
-                 report=args.report, xfails=args.xfails, pytest_args=args.pytest_args,
-                 plugins=progress_plugins() if args.progress else ())
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a mistake is one line (saying where the usage is), not the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]  # exits, as argparse's does
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -53,12 +89,10 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fpga_report(args: argparse.Namespace) -> int:
-    try:
-        from kpt_fpga_sim.__main__ import main as fpga_main
-    except ImportError:
-        sys.exit("kpt fpga-report needs the FPGA simulator: pip install kpt-fpga-sim")
-    return fpga_main([*args.args, *args.extra])
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from .benchmark import add_arguments
+
+    add_arguments(parser)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -67,58 +101,145 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _add_bench(commands: argparse._SubParsersAction) -> None:
-    from .benchmark import add_arguments
-
-    bench = commands.add_parser(
-        "bench", help="time the kernels against torch eager, torch.compile and the libraries (needs a GPU)",
-        description="Time a backend's kernels on a sweep of shapes against torch eager, torch.compile and "
-                    "the libraries present, and write bench.json and bench.md (with --plot, roofline.png). "
-                    "Needs a GPU; --list shows a sweep's shapes anywhere.")
-    add_arguments(bench)
-    bench.set_defaults(run=_bench)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kpt", description="kpt: one kernel API for many accelerators")
-    commands = p.add_subparsers(dest="command", required=True)
-    check = commands.add_parser(
-        "check", help="run the conformance suite on an installed backend",
-        description="Run the conformance suite on an installed backend and write conformance.json and "
-                    ".md; exits non-zero when a kernel fails or is missing. Arguments after -- go to pytest.")
-    check.add_argument("--backend", default=os.environ.get("KPT_BACKEND", "reference"),
-                       help="the backend to check (default: $KPT_BACKEND or reference)")
-    check.add_argument("--device", help="the device of the inputs, e.g. cuda:1 (default: the backend's)")
-    check.add_argument("--dtypes", type=_csv, default=[], help="comma-separated dtypes (default: the backend's)")
-    check.add_argument("--kernels", type=_csv, default=[], help="comma-separated kernels (default: all)")
-    check.add_argument("--seed", type=int, help="replay the random inputs of a run (its report names the seed)")
-    check.add_argument("--report", help="the report directory (default: reports/<profile>)")
-    check.add_argument("--xfails", help="expected failures: a file, or a directory holding <profile>.txt")
-    check.add_argument("--no-progress", dest="progress", action="store_false",
-                       help="no progress bar (it needs rich: pip install 'kpt-core[cli]')")
-    check.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest (-x, -k EXPR, -v)")
-    check.set_defaults(run=_check)
-    commands.add_parser(
-        "info", help="show versions, the installed backends and the kernels",
+BUILTIN = {
+    "info": Command(
+        help="show versions, the installed backends and the kernels",
         description="Show the versions, every installed backend (whether it can run here, or why not), "
                     "the backend kpt.get_backend() picks here, and the kernels with their parameters.",
-    ).set_defaults(run=_info)
-    fpga = commands.add_parser(
-        "fpga-report", add_help=False,
-        help="the FPGA simulator's cost reports: compare (a kernel's directives), estimate (a network), calibrate",
-        description="kpt-fpga-sim's command (cycles, II, resources, fit, roofline); every argument goes to "
-                    "`python -m kpt_fpga_sim` (kpt fpga-report --help lists its subcommands).")
-    fpga.add_argument("args", nargs="*")
-    fpga.set_defaults(run=_fpga_report)
-    _add_bench(commands)
+        add_arguments=lambda parser: None, run=_info),
+    "bench": Command(
+        help="time the kernels against torch eager, torch.compile and the libraries (needs a GPU)",
+        description="Time a backend's kernels on a sweep of shapes against torch eager, torch.compile and "
+                    "the libraries present, and write bench.json and bench.md (with --plot, roofline.png). "
+                    "Needs a GPU; --list shows a sweep's shapes anywhere.",
+        add_arguments=_bench_arguments, run=_bench),
+}
+"""kpt-core's own subcommands."""
+
+
+def _distribution(ep: metadata.EntryPoint) -> str:
+    dist = ep.dist
+    return f"{dist.name} {dist.version}" if dist is not None else ep.value
+
+
+def installed() -> dict[str, list[metadata.EntryPoint]]:
+    """The installed ``kpt.commands`` entry points by subcommand name (several when more than one
+    distribution claims a name), without those named as a `BUILTIN` or not named
+    ``[a-z0-9][a-z0-9-]*``."""
+    found: dict[str, dict[str, metadata.EntryPoint]] = {}
+    for ep in metadata.entry_points(group=COMMAND_GROUP):
+        if ep.name not in BUILTIN and _NAME.fullmatch(ep.name):
+            found.setdefault(ep.name, {}).setdefault(ep.value, ep)  # one distribution seen twice is one
+    return {name: list(eps.values()) for name, eps in sorted(found.items())}
+
+
+def load(name: str, eps: Sequence[metadata.EntryPoint]) -> Command | str:
+    """The `Command` of subcommand ``name``, or why it cannot run (one line)."""
+    if len(eps) > 1:
+        return f"claimed by {' and '.join(_distribution(ep) for ep in eps)}: uninstall one of them"
+    ep = eps[0]
+    try:
+        command = ep.load()
+    except (Exception, SystemExit) as exc:  # a broken plugin must not take the command down
+        return f"{_distribution(ep)} failed to load it ({ep.value}): {type(exc).__name__}: {exc}"
+    if not isinstance(command, Command):
+        return f"{_distribution(ep)}'s entry point {ep.value} is a {type(command).__name__}, not a kpt.cli.Command"
+    return command
+
+
+def versions() -> str:
+    """What ``kpt --version`` prints: kpt-core's version (and its kernel contract's), then every
+    installed distribution that adds a backend or a subcommand (read from the installed metadata:
+    nothing is imported)."""
+    from . import __version__
+    from .backend import CONTRACT_VERSION
+
+    plugins = {_distribution(ep) for group in ("kpt.backends", COMMAND_GROUP)
+               for ep in metadata.entry_points(group=group) if ep.dist is not None}
+    return "\n".join([f"kpt-core {__version__} (kernel contract v{CONTRACT_VERSION})", *sorted(plugins)])
+
+
+def _description(command: Command) -> str:
+    """A description in lines (a docstring with examples) as written; one line wrapped."""
+    return command.description if "\n" in command.description else textwrap.fill(command.description, 100)
+
+
+def _add(commands: argparse._SubParsersAction, name: str, command: Command) -> None:
+    sub = commands.add_parser(name, help=command.help, description=_description(command),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_arguments(sub)
+    sub.set_defaults(run=command.run)
+
+
+def parser(plugins: dict[str, Command | str] | None = None) -> argparse.ArgumentParser:
+    """The ``kpt`` parser with core's subcommands and ``plugins`` (default: every installed one);
+    a plugin that cannot run is listed below the subcommands with the reason."""
+    if plugins is None:
+        plugins = {name: load(name, eps) for name, eps in installed().items()}
+    broken = {name: why for name, why in plugins.items() if isinstance(why, str)}
+    epilog = ["`python -m kpt` is the same command (use it where `kpt` on the PATH is another program)."]
+    epilog += [f"kpt {name} cannot run: {why}" for name, why in broken.items()]
+    missing = [f"kpt {name} (pip install {package})" for name, package in PROVIDERS.items() if name not in plugins]
+    if missing:
+        epilog.append(f"Not installed: {', '.join(missing)}.")
+    p = _Parser(prog="kpt", description="kpt: one kernel API for many accelerators", epilog="\n".join(epilog),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=versions(),
+                   help="show kpt-core's version and the installed kpt packages', then exit")
+    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in BUILTIN.items():
+        _add(commands, name, command)
+    for name, command in plugins.items():
+        if isinstance(command, Command):
+            _add(commands, name, command)
     return p
 
 
+def execute(p: argparse.ArgumentParser, argv: Sequence[str]) -> int:
+    """Parse ``argv`` with ``p`` and run the chosen command; a `UsageError` or a kpt error (a bad
+    input, an unusable backend) is printed as one line."""
+    args = p.parse_args(argv)
+    prog = f"{p.prog} {args.command}" if getattr(args, "command", None) else p.prog
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except (KernelInputError, KernelNotSupportedError, BackendError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(command: Command, argv: Sequence[str] | None = None, *, prog: str) -> int:
+    """Run one `Command` on its own, as ``prog`` (what a package's ``python -m`` entry calls)."""
+    p = _Parser(prog=prog, description=_description(command), formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_arguments(p)
+    p.set_defaults(run=command.run)
+    return execute(p, sys.argv[1:] if argv is None else argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser()
-    # fpga-report hands its options (--help included) to the simulator's command
-    args, extra = p.parse_known_args(argv)
-    if extra and args.command != "fpga-report":
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
-    return args.run(args)
+    """``kpt`` (and ``python -m kpt``): load only the subcommand asked for (all of them for
+    ``kpt --help``), then parse and run it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = next((a for a in argv if not a.startswith("-")), None)
+    entry_points = installed()
+    if name is None:
+        plugins = {} if "--version" in argv else {n: load(n, eps) for n, eps in entry_points.items()}
+    elif name in BUILTIN:
+        plugins = {}
+    elif name in entry_points:
+        command = load(name, entry_points[name])
+        if isinstance(command, str):
+            print(f"kpt: error: kpt {name} cannot run: {command}", file=sys.stderr)
+            return 1
+        plugins = {name: command}
+    elif name in PROVIDERS:
+        print(f"kpt: error: kpt {name} comes with {PROVIDERS[name]}, which is not installed: "
+              f"pip install {PROVIDERS[name]}", file=sys.stderr)
+        return 2
+    else:
+        print(f"kpt: error: unknown command {name!r}; the commands here: "
+              f"{', '.join([*BUILTIN, *entry_points])} (kpt --help describes them)", file=sys.stderr)
+        return 2
+    return execute(parser(plugins), argv)

@@ -138,7 +138,8 @@ class TritonBackend(kpt.Backend):
         if interpreted():
             return True, ""
         available, why = self.device_status()
-        return available, why if available else f"{why} (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors)"
+        return available, why if available else (f"{why} (TRITON_INTERPRET=1 runs its Triton kernels on CPU tensors, "
+                                                  f"with numpy: pip install 'kpt-{self.name}[interpret]')")
 
     def kernels(self) -> dict[str, kpt.Kernel]:
         native = () if interpreted() else self.native_modules()
