@@ -13,20 +13,25 @@ are shared, not copied: ``state_dict``, optimizers and checkpoints see the same 
 Only what kpt's contract computes exactly is swapped; the rest is left, with the reason, in
 the returned `PatchSummary`: attention with logit soft-capping or dropout, or whose masks are
 built for an implementation other than ``sdpa``; a loss after logit soft-capping or with the
-router's auxiliary loss. At run time a patched attention takes causal (or, for a bidirectional
-module, unmasked) attention with any KV cache; a call with an explicit mask (padding, or a
-sliding window shorter than the sequence) raises `kpt.KernelNotSupportedError`, never a silent
-other computation. ``kpt.patch(model, attention=False)`` keeps transformers' attention (and its
-masks) around kpt's rope: for padded batches. With labels, a patched model returns the loss of the fused
-``linear_cross_entropy`` and no logits (they are never formed); call it without labels for
-logits. An architecture kpt does not know raises before anything changes, and a failure while
-patching undoes what was done.
+router's auxiliary loss. A patched attention takes every mask transformers builds for ``sdpa``
+(`MASKS_TAKEN`): causal, key padding (left or right: batched ``generate()``, padding collators),
+packed documents (``position_ids`` that restart, as ``DataCollatorWithFlattening`` gives), sliding
+windows, a static cache's slots; a mask it cannot compute exactly raises
+`kpt.KernelNotSupportedError`, never a silent other computation. ``kpt.patch(model, attention=False)``
+keeps transformers' attention around kpt's rope. With labels, a patched model returns the float32
+loss of the fused ``linear_cross_entropy`` and no logits (they are never formed); call it without
+labels for logits. The patched forwards take their arguments by keyword and follow the names of the
+installed transformers (``past_key_values``, ``cache`` from 5.24), and compile with
+``torch.compile(model)``: kpt's kernels are custom ops. An architecture kpt does not know raises
+before anything changes, and a failure while patching undoes what was done.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +41,7 @@ from torch import Tensor, nn
 
 from . import nn as knn
 from .errors import KernelInputError, KernelNotSupportedError
+from .kernels.attention import visible_keys
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
              "qwen3_moe")
@@ -106,28 +112,76 @@ def _norm(module: Any, unit_offset: bool) -> nn.Module:
 
 
 def _attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
-                       attention_mask: Tensor | None = None, past_key_values: Any = None,
-                       **kwargs: Any) -> tuple[Tensor, Any]:
+                       attention_mask: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, Any]:
     """A transformers attention module's forward on kpt: projections, optional q/k norms, kpt's
-    rope, cache update, kpt's attention (causal as the module is), output projection."""
-    if attention_mask is not None:
-        raise KernelNotSupportedError(
-            f"kpt.patch: attention layer {self.layer_idx} was given an explicit mask (padding, or a sliding "
-            "window shorter than the sequence), which kpt's attention kernel does not take; pass unpadded "
-            "batches, or patch with kpt.patch(model, attention=False) (kpt's rope, transformers' attention)")
-    q, k, v, shape = _rotated(self, hidden_states, position_embeddings, past_key_values)
-    out = knn.backend(q).attention(q, k, v, getattr(self, "is_causal", True), self.scaling)
+    rope, cache update, kpt's attention with the mask transformers built for ``sdpa`` (`_kernel_mask`),
+    output projection. The cache comes as ``past_key_values`` (transformers < 5.24) or ``cache``."""
+    q, k, v, shape = _rotated(self, hidden_states, position_embeddings, kwargs)
+    causal, mask, k, v = _kernel_mask(self, attention_mask, q, k, v)
+    out = knn.backend(q).attention(q, k, v, causal, self.scaling, mask)
     return knn.project_heads(self.o_proj, out), None
 
 
+MASKS_TAKEN = ("causal", "key padding (left or right)", "packed documents", "sliding window", "static cache",
+               "any boolean mask within the causal one")
+"""What a patched attention takes: the masks transformers builds for ``sdpa`` (`PatchSummary` says so)."""
+
+_within_causal: list[weakref.ref[Tensor]] = []
+"""The last 4-D mask checked to lie within the causal mask: one check for all the layers of a
+forward, which share it."""
+
+
+def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
+                 ) -> tuple[bool, Tensor | None, Tensor, Tensor]:
+    """``(causal, mask, k, v)`` for kpt's attention from what transformers passes a ``sdpa`` attention.
+
+    ``None``: no mask; transformers' ``sdpa`` then aligns a causal mask top-left, which differs from
+    the contract's bottom-right only for a static cache's prefill (more key slots than queries, the
+    cache empty before it): its first Sq slots are all those queries can see. A 4-D boolean mask
+    (``True``: attend; padding, packed documents, sliding windows, a static cache's slots) goes to
+    the kernel with ``causal`` kept, which lets the kernel skip the blocks above the diagonal: exact
+    when the mask lies within the bottom-right causal one, as every mask transformers builds for a
+    causal language model does. Outside ``torch.compile`` that is checked (once per mask); a mask
+    that is not such a tensor raises `kpt.KernelNotSupportedError`."""
+    causal = bool(getattr(self, "is_causal", True))
+    sq, skv = q.shape[2], k.shape[2]
+    if attention_mask is None:
+        if causal and 1 < sq < skv:
+            k, v = k[:, :, :sq], v[:, :, :sq]
+        return causal, None, k, v
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+        kind = (f"a {attention_mask.dim()}-D {attention_mask.dtype} tensor" if isinstance(attention_mask, Tensor)
+                else type(attention_mask).__name__)
+        raise KernelNotSupportedError(
+            f"kpt.patch: attention layer {self.layer_idx} was given {kind} as its mask; kpt's attention takes "
+            "the 4-D boolean masks transformers builds for attn_implementation='sdpa' (load the model with it), "
+            "or patch with kpt.patch(model, attention=False) to keep transformers' attention")
+    mask = attention_mask[..., :skv]
+    if causal and not torch.compiler.is_compiling() and not any(r() is attention_mask for r in _within_causal):
+        outside = mask & ~visible_keys(sq, skv, True, mask.device)
+        if bool(outside.any()):
+            raise KernelNotSupportedError(
+                f"kpt.patch: attention layer {self.layer_idx} was given a mask that lets queries see keys after "
+                "them (not within the causal mask), which a causal kpt attention does not compute; patch with "
+                "kpt.patch(model, attention=False) to keep transformers' attention")
+        _within_causal[:] = [weakref.ref(attention_mask)]
+    return causal, mask, k, v
+
+
+def _cache(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a transformers module was given: ``cache`` from 5.24, ``past_key_values`` before."""
+    cache = kwargs.pop("cache", None)
+    legacy = kwargs.pop("past_key_values", None)
+    return cache if cache is not None else legacy
+
+
 def _rotary_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
-                    attention_mask: Tensor | None = None, past_key_values: Any = None,
-                    **kwargs: Any) -> tuple[Tensor, Any]:
+                    attention_mask: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, Any]:
     """As `_attention_forward` with the attention of the model's ``attn_implementation`` (masks,
     padding and sliding windows as transformers handles them): kpt's rope only."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    q, k, v, shape = _rotated(self, hidden_states, position_embeddings, past_key_values)
+    q, k, v, shape = _rotated(self, hidden_states, position_embeddings, kwargs)
     eager = sys.modules[type(self).__module__].eager_attention_forward  # what the module itself falls back to
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
     # a layer's own window (Qwen2, Gemma 3: None on full-attention layers), else the model's (Mistral)
@@ -138,9 +192,11 @@ def _rotary_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple
 
 
 def _rotated(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
-             past_key_values: Any) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:
+             kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:
     """``(q, k, v, leading shape)``: the projections as ``[B, H, S, D]``, q and k normalized
-    where the module has q/k norms and rotated by kpt's rope, k and v after the cache update."""
+    where the module has q/k norms and rotated by kpt's rope, k and v after the update of the cache
+    (taken out of ``kwargs``)."""
+    cache = _cache(kwargs)
     shape = tuple(hidden_states.shape[:-1])
     heads = (*shape, -1, self.head_dim)
     q = self.q_proj(hidden_states).view(heads)
@@ -152,8 +208,9 @@ def _rotated(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor
     if cos.dim() == 3 and cos.shape[0] == 1:  # one table for the batch: kpt's [S, D] form
         cos, sin = cos[0], sin[0]
     q, k = knn.backend(q).rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, self.layer_idx)
+    if cache is not None:
+        # transformers 5.24 hands the layer's keyword arguments to the cache; earlier caches ignore them
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
     return q, k, v, shape
 
 
@@ -167,32 +224,67 @@ def _experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_
                            ACTIVATION_OF[type(self.act_fn).__name__])
 
 
-def _loss_forward(self: Any, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                  position_ids: Tensor | None = None, past_key_values: Any = None,
-                  inputs_embeds: Tensor | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
-                  logits_to_keep: int | Tensor = 0, **kwargs: Any) -> Any:
+def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     """A ``*ForCausalLM`` forward whose loss is kpt's ``linear_cross_entropy`` on the shifted labels
-    (as transformers' ``ForCausalLMLoss``, ``num_items_in_batch`` included); without labels, the
-    model's own forward."""
+    (as transformers' ``ForCausalLMLoss``, ``num_items_in_batch`` included; float32 whatever the
+    model's dtype); without labels, the model's own forward. Positional arguments are matched to the
+    names of the class's own ``forward`` (read when patching: `_positional`), so that a release that
+    renames one (``past_key_values`` became ``cache`` in 5.24) is followed, and every argument
+    reaches the model by keyword."""
+    names = self._kpt_positional
+    if len(args) > len(names):
+        raise TypeError(f"{type(self).__name__}.forward takes at most {len(names)} positional arguments")
+    named = {**dict(zip(names, args)), **kwargs}
+    labels = named.pop("labels", None)
     if labels is None:
-        return type(self).forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
-                                  labels, use_cache, logits_to_keep, **kwargs)
+        return type(self).forward(self, **named)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    num_items = kwargs.pop("num_items_in_batch", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    num_items = named.pop("num_items_in_batch", None)
+    shift_labels = named.pop("shift_labels", None)
+    named.pop("logits_to_keep", None)  # with labels there are no logits to keep
+    outputs = self.model(**named)
     hidden = outputs.last_hidden_state
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     head = self.get_output_embeddings()
     loss = knn.LinearCrossEntropyLoss(reduction="mean" if num_items is None else "sum")(
-        hidden, head.weight, shift_labels.to(hidden.device), head.bias).float()
+        hidden, head.weight, shift_labels.to(hidden.device), head.bias)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def _positional(cls: type) -> tuple[str, ...]:
+    """The names a class's ``forward`` takes positionally, after ``self``."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def _loss_override(model: nn.Module) -> Callable[[], Callable[[], None]]:
+    """`_loss_forward` as ``model.forward``, showing the class forward's signature: the Trainer
+    reads it to keep the dataset's columns the model takes."""
+
+    def apply() -> Callable[[], None]:
+        own = type(model).forward.__get__(model)
+        model._kpt_positional = _positional(type(model))
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return _loss_forward(model, *args, **kwargs)
+
+        forward.__signature__ = inspect.signature(own)  # type: ignore[attr-defined]
+        forward.__doc__ = _loss_forward.__doc__
+        model.forward = forward  # type: ignore[method-assign]
+
+        def undo() -> None:
+            model.__dict__.pop("forward", None)
+            del model._kpt_positional
+
+        return undo
+
+    return apply
 
 
 def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
@@ -228,7 +320,8 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
                 plan.leave(f"{kind}: attention (rotary on kpt)", why)
                 plan.swap(f"{kind}: rotary on kpt (rope)", _override(module, _rotary_forward))
             else:
-                plan.swap(f"{kind}: rotary + attention on kpt (rope, attention)", _override(module, _attention_forward))
+                plan.swap(f"{kind}: rotary + attention on kpt (rope, attention; masks: {', '.join(MASKS_TAKEN)})",
+                          _override(module, _attention_forward))
         elif kind.endswith("TopKRouter"):
             plan.swap(f"{kind}: moe_gating", _override(module, _router_forward))
         elif kind.endswith("Experts") and hasattr(module, "gate_up_proj"):
@@ -242,7 +335,7 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
         if why:
             plan.leave("loss", why)
         else:
-            plan.swap("loss: linear_cross_entropy (no logits with labels)", _override(model, _loss_forward))
+            plan.swap("loss: linear_cross_entropy (no logits with labels, float32)", _loss_override(model))
     return plan
 
 

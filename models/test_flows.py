@@ -1,0 +1,229 @@
+"""`kpt.patch` in the flows model builders run, against the same transformers model unpatched.
+
+Padded batches (left and right), packed documents, sliding windows, `torch.compile` of the whole
+model, batched `generate()` with the dynamic and the static cache, the `Trainer` with a padding
+and a packing collator, and the loss of a bfloat16 model: each on a tiny random-initialised Llama
+and Qwen2 (and Mistral for its window) on the reference backend, in float32 and float64.
+transformers in float64 still computes its RMSNorm in float32, so the two agree to float32's
+tolerance, not float64's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import kpt
+
+TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64}
+CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+TOL = kpt.default_tolerance(torch.float32)
+GREEDY = {"do_sample": False, "pad_token_id": 0}
+
+
+def pair(family: str, dtype: torch.dtype = torch.float32, **config: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model as transformers builds it (``sdpa``), and a patched copy."""
+    torch.manual_seed(0)
+    cls = transformers.MistralConfig if family == "mistral" else CONFIGS[family]
+    hf = transformers.AutoModelForCausalLM.from_config(cls(**{**TINY, **config}), attn_implementation="sdpa")
+    hf = hf.to(dtype)
+    patched = copy.deepcopy(hf)
+    kpt.patch(patched)
+    return hf, patched
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.isfinite().all(), f"{what}: not finite"
+    torch.testing.assert_close(actual, expected.to(actual.dtype), atol=TOL.atol, rtol=TOL.rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def padded_batch(side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, attention mask and labels of three sequences of 12, 7 and 1 real tokens, padded on
+    ``side``; the one-token row's other queries (left padding) see no key."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, TINY["vocab_size"], (3, 12), generator=g)
+    mask = torch.zeros_like(tokens)
+    for row, n in enumerate((12, 7, 1)):
+        mask[row, 12 - n:] = 1 if side == "left" else 0
+        if side == "right":
+            mask[row, :n] = 1
+    tokens = tokens.masked_fill(mask == 0, 0)
+    return tokens, mask, tokens.masked_fill(mask == 0, -100)
+
+
+def run(model: torch.nn.Module, **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits (no labels), loss (labels) and every parameter's gradient."""
+    model.zero_grad()
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    loss = model(**batch, labels=labels).loss
+    loss.backward()
+    # a compiled model names its parameters after the module it wraps (``_orig_mod.``)
+    return logits, loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()
+                                   if p.grad is not None}
+
+
+def agree(hf: torch.nn.Module, patched: torch.nn.Module, real: torch.Tensor, **batch: torch.Tensor) -> None:
+    logits, loss, grads = run(hf, **batch)
+    p_logits, p_loss, p_grads = run(patched, **batch)
+    close(p_logits[real], logits[real], "logits on real tokens")
+    close(p_loss, loss, "loss")
+    assert p_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        close(p_grads[name], g, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_padded_batches_agree(family: str, side: str, dtype: torch.dtype) -> None:
+    hf, patched = pair(family, dtype)
+    tokens, mask, labels = padded_batch(side)
+    agree(hf, patched, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_packed_documents_agree(family: str) -> None:
+    """Documents concatenated in one row with ``position_ids`` that restart (what
+    ``DataCollatorWithFlattening`` gives): the patched model gives what transformers' ``sdpa`` gives."""
+    hf, patched = pair(family)
+    tokens = torch.randint(1, TINY["vocab_size"], (1, 15), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6]])
+    labels = tokens.clone()
+    labels[0, [0, 5, 8]] = -100  # each document's first token, as the collator marks it
+    agree(hf, patched, torch.ones_like(tokens, dtype=torch.bool), input_ids=tokens, position_ids=positions,
+          labels=labels)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_agrees() -> None:
+    hf, patched = pair("mistral", sliding_window=4)
+    tokens, mask, labels = padded_batch("left")
+    agree(hf, patched, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
+
+
+def test_a_mask_kpt_cannot_compute_is_refused() -> None:
+    """A 4-D mask that lets queries see later keys (not within the causal mask), or an additive
+    float mask, raises; nothing is computed differently."""
+    _, patched = pair("llama")
+    tokens = torch.randint(1, TINY["vocab_size"], (1, 6))
+    future = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    with pytest.raises(kpt.KernelNotSupportedError, match="not within the causal mask"):
+        patched(tokens, attention_mask=future)
+    with pytest.raises(kpt.KernelNotSupportedError, match="boolean masks"):
+        patched(tokens, attention_mask=torch.zeros(1, 1, 6, 6))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_compiled_model_trains_and_infers_with_no_graph_break(family: str) -> None:
+    hf, patched = pair(family)
+    tokens, mask, labels = padded_batch("left")
+    explained = torch._dynamo.explain(patched)(input_ids=tokens, attention_mask=mask, labels=labels)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(patched, fullgraph=True)
+    agree(hf, compiled, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
+
+
+def test_dynamic_compile_over_many_lengths_recompiles_a_handful_of_times() -> None:
+    hf, patched = pair("llama")
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    compiled = torch.compile(patched, dynamic=True, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for length in range(3, 53):
+            tokens = torch.randint(1, TINY["vocab_size"], (2, length), generator=torch.Generator().manual_seed(length))
+            mask = torch.ones_like(tokens)
+            mask[1, : length // 3] = 0
+            logits = compiled(input_ids=tokens, attention_mask=mask).logits
+            if length % 10 == 3:
+                close(logits[mask.bool()], hf(input_ids=tokens, attention_mask=mask).logits[mask.bool()],
+                      f"logits at length {length}")
+    assert counts["stats"]["unique_graphs"] <= 4, dict(counts["stats"])
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_padded_generation_gives_transformers_tokens(family: str, dtype: torch.dtype, cache: str) -> None:
+    """Batched greedy decoding of a left-padded batch (as a tokenizer pads for generation), with
+    the dynamic cache and with ``cache_implementation="static"``."""
+    hf, patched = pair(family, dtype)
+    tokens, mask, _ = padded_batch("left")
+    kw = {**GREEDY, "max_new_tokens": 8, "attention_mask": mask}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        assert torch.equal(patched.generate(tokens, **kw), hf.generate(tokens, **kw))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_loss_of_a_bfloat16_model_is_float32(family: str) -> None:
+    oracle, _ = pair(family, torch.float64)
+    hf, patched = pair(family, torch.bfloat16)
+    tokens, mask, labels = padded_batch("right")
+    loss = patched(input_ids=tokens, attention_mask=mask, labels=labels).loss
+    expected = hf(input_ids=tokens, attention_mask=mask, labels=labels).loss
+    assert loss.dtype == expected.dtype == torch.float32
+    exact = oracle(input_ids=tokens, attention_mask=mask, labels=labels).loss.item()
+    # as close to the float64 model as transformers' own bfloat16 loss is, within 1.5x (or 2e-3)
+    assert abs(loss.item() - exact) <= max(1.5 * abs(expected.item() - exact), 2e-3)
+
+
+def test_positional_arguments_follow_the_installed_forward() -> None:
+    """The patched loss forward matches positions to the class's own names (``past_key_values``,
+    or ``cache`` from transformers 5.24) and passes everything on by keyword."""
+    hf, patched = pair("llama")
+    tokens, mask, labels = padded_batch("right")
+    with torch.no_grad():
+        close(patched(tokens, mask, labels=labels).loss, hf(tokens, mask, labels=labels).loss, "positional call")
+        with pytest.raises(TypeError, match="positional"):
+            patched(*([None] * 40))
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of the tiny vocabulary, made here (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, TINY["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def _train(model: torch.nn.Module, collator: object, data: list[dict], out: Path
+           ) -> tuple[list[float], list[torch.Tensor]]:
+    # SGD: Adam divides the near-zero gradients by their own size, amplifying their rounding
+    args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=3, max_steps=3,
+                                          optim="sgd", learning_rate=0.1, report_to=[], use_cpu=True,
+                                          logging_steps=1, save_strategy="no", seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("collator", ["padding", "packing"])
+def test_trainer_with_a_padding_and_a_packing_collator_matches(collator: str, tmp_path: Path) -> None:
+    hf, patched = pair("llama")
+    g = torch.Generator().manual_seed(4)
+    lengths = (9, 4, 13, 6, 11, 2, 8, 5, 12)
+    tokenizer = _tokenizer()
+    texts = [" ".join(f"w{int(t)}" for t in torch.randint(2, TINY["vocab_size"], (n,), generator=g)) for n in lengths]
+    data = [{"input_ids": tokenizer(t)["input_ids"]} for t in texts]
+    if collator == "padding":
+        collate = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    else:
+        collate = transformers.DataCollatorWithFlattening()
+    losses, params = _train(hf, collate, data, tmp_path / "hf")
+    p_losses, p_params = _train(patched, collate, data, tmp_path / "kpt")
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    torch.testing.assert_close(torch.tensor(p_losses), torch.tensor(losses), atol=1e-4, rtol=1e-4)
+    for (name, _), p, q in zip(patched.named_parameters(), p_params, params):
+        close(p, q, f"{name} after three steps")
