@@ -57,3 +57,76 @@ def test_offline_error_names_the_cache(tmp_path, monkeypatch) -> None:
     with pytest.raises(csim.CsimUnavailable, match="KPT_FPGA_SIM_CACHE") as info:
         csim.ap_types_dir()
     assert csim.WHEEL_SHA256 in str(info.value)
+
+
+def _headers(path, files: dict[str, bytes]):
+    path.mkdir(parents=True, mode=0o700)
+    for name, data in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+    return path
+
+
+def test_a_prefilled_header_directory_is_used_only_with_the_pinned_digest(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KPT_FPGA_SIM_CACHE", str(tmp_path))
+    planted = _headers(csim.cache_dir(), {"ap_fixed.h": b"#error planted", "etc/ap_int_base.h": b"// ok"})
+    with pytest.raises(csim.CsimIntegrityError, match="expected " + csim.AP_TYPES_SHA256):
+        csim.ap_types_dir()
+    monkeypatch.setattr(csim, "AP_TYPES_SHA256", csim.tree_digest(planted))  # the digest, not the name, decides
+    assert csim.ap_types_dir() == planted
+    (planted / "etc" / "ap_int_base.h").write_bytes(b"// changed after the fact")
+    with pytest.raises(csim.CsimIntegrityError, match="digest"):
+        csim.ap_types_dir()
+
+
+def test_a_header_directory_with_a_link_or_open_to_others_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KPT_FPGA_SIM_CACHE", str(tmp_path))
+    headers = _headers(csim.cache_dir(), {"ap_fixed.h": b"// ok"})
+    (tmp_path / "elsewhere.h").write_bytes(b"// anyone's")
+    (headers / "ap_int.h").symlink_to(tmp_path / "elsewhere.h")
+    with pytest.raises(csim.CsimIntegrityError, match="ap_int.h is not a regular file"):
+        csim.ap_types_dir()
+    (headers / "ap_int.h").unlink()
+    monkeypatch.setattr(csim, "AP_TYPES_SHA256", csim.tree_digest(headers))
+    headers.chmod(0o777)
+    with pytest.raises(csim.CsimIntegrityError, match="can be written by others"):
+        csim.ap_types_dir()
+
+
+def test_a_cache_others_can_write_is_refused(tmp_path, monkeypatch) -> None:
+    tmp_path.chmod(0o777)
+    monkeypatch.setenv("KPT_FPGA_SIM_CACHE", str(tmp_path))
+    with pytest.raises(PermissionError, match="can be written by others"):
+        csim.ap_types_dir()
+
+
+def test_pip_downloads_only_a_wheel_under_a_timeout(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KPT_FPGA_SIM_CACHE", str(tmp_path))
+    calls = []
+
+    def pip(cmd, **kwargs):
+        calls.append((cmd, kwargs))
+        return subprocess.CompletedProcess(cmd, 1, "", "offline")
+
+    monkeypatch.setattr(csim.subprocess, "run", pip)
+    with pytest.raises(csim.CsimUnavailable):
+        csim.ap_types_dir()
+    [(cmd, kwargs)] = calls
+    assert "--only-binary=:all:" in cmd and kwargs["timeout"] > 0  # an sdist's build code never runs
+
+
+def test_the_compiler_and_the_program_run_under_a_timeout(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(csim, "ap_types_dir", lambda: tmp_path)
+    monkeypatch.setattr(csim, "compiler", lambda: "g++")
+    calls = []
+
+    def hangs(cmd, **kwargs):
+        calls.append(kwargs.get("timeout"))
+        if len(calls) == 1:
+            return subprocess.CompletedProcess(cmd, 0, "", "")  # g++ "built" the program
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(csim.subprocess, "run", hangs)
+    with pytest.raises(RuntimeError, match="kernel ran past its 120 s timeout"):
+        csim.run("int main() { for (;;); }")
+    assert calls == [csim.COMPILE_TIMEOUT_S, csim.RUN_TIMEOUT_S]

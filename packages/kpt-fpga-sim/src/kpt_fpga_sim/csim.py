@@ -6,11 +6,14 @@ g++ against the ``ap_types`` headers of Vitis HLS (Apache-2.0; shipped in the hl
 ``hls4ml/templates/vivado/ap_types/``) and returns what it prints. The tests compare that, bit for
 bit, with the simulator.
 
-The headers are never vendored: `ap_types_dir` downloads the wheel once with pip (no install),
-refuses it unless its sha256 is the pinned `WHEEL_SHA256`, unpacks only that directory into a
-cache (``$KPT_FPGA_SIM_CACHE`` or ``~/.cache/kpt-fpga-sim``), refusing any member whose path
-leaves it, and reuses it afterwards. Offline, put the wheel (or the unpacked directory) in the
-cache yourself: the error says where.
+The headers are never vendored: `ap_types_dir` downloads the wheel once with pip (no install, and
+only a wheel: an sdist's build code would run before any check), refuses it unless its sha256 is
+the pinned `WHEEL_SHA256`, unpacks only that directory into a cache (``$KPT_FPGA_SIM_CACHE`` or
+``~/.cache/kpt-fpga-sim``, a directory of this user that no one else may write: `kpt.cache`),
+refusing any member whose path leaves it, and reuses it afterwards, each time only if its files
+still have the pinned digest `AP_TYPES_SHA256`. Offline, put the wheel (or the unpacked
+directory) in the cache yourself: the error says where. g++, the compiled program and pip each
+run under a timeout.
 
 Programs emitted here (each prints one value per line, exactly, as ``%.17g`` of a double):
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -35,6 +39,8 @@ from pathlib import Path, PurePosixPath
 
 from torch import Tensor
 
+from kpt import cache
+
 from .fixed import bits_for
 from .formats import ApFixed
 from .nonlinear import Table
@@ -43,7 +49,14 @@ HLS4ML_VERSION = "1.3.0"
 WHEEL = f"hls4ml-{HLS4ML_VERSION}-py3-none-any.whl"
 WHEEL_SHA256 = "01bf1de2cd9bca56699b9fe3385cb1735026b022f9580fe1d73faf192dfb90f2"
 """The sha256 of the wheel on PyPI; any other file is refused."""
+AP_TYPES_SHA256 = "bba1ec9129ca03d698f2772a7c769d4b946ac930fefe6098e2f75928da4ee5ce"
+"""`tree_digest` of the wheel's ap_types directory: a cached or pre-filled header directory is used
+only if it has this digest."""
 _WHEEL_DIR = "hls4ml/templates/vivado/ap_types/"
+COMPILE_TIMEOUT_S = 600
+"""How long g++ may take for one program (10 to 30 s is usual on one core)."""
+RUN_TIMEOUT_S = 120
+"""How long a compiled program may run (it prints its values at once)."""
 
 
 class CsimUnavailable(RuntimeError):
@@ -55,7 +68,9 @@ class CsimIntegrityError(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KPT_FPGA_SIM_CACHE") or Path.home() / ".cache" / "kpt-fpga-sim")
+    """The cache (`kpt.cache.user_dir`); `PermissionError` for a ``$KPT_FPGA_SIM_CACHE`` that others
+    could write to."""
+    return cache.user_dir("KPT_FPGA_SIM_CACHE", "kpt-fpga-sim")
 
 
 def cache_dir() -> Path:
@@ -72,6 +87,29 @@ def check_wheel(path: Path) -> None:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != WHEEL_SHA256:
         raise CsimIntegrityError(f"{path.name}: sha256 {digest}, expected {WHEEL_SHA256}; refusing it")
+
+
+def tree_digest(root: Path) -> str:
+    """The sha256 of a directory tree: each file's path (relative, POSIX) and content, in path
+    order. Refuses anything but directories and regular files (a link could change after the check)."""
+    entries = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(top) / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISREG(mode):
+                entries[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+            elif not stat.S_ISDIR(mode):
+                raise CsimIntegrityError(f"{path} is not a regular file; refusing the headers in {root}")
+    return hashlib.sha256("".join(f"{p}\0{d}\n" for p, d in sorted(entries.items())).encode()).hexdigest()
+
+
+def check_headers(root: Path) -> None:
+    """Refuse a header directory whose files are not the pinned ones (`AP_TYPES_SHA256`)."""
+    digest = tree_digest(root)
+    if digest != AP_TYPES_SHA256:
+        raise CsimIntegrityError(f"{root}: its files have digest {digest}, expected {AP_TYPES_SHA256}; refusing "
+                                 "them (delete the directory to have it unpacked again from the pinned wheel)")
 
 
 def unpack_ap_types(wheel: Path, target: Path) -> None:
@@ -94,8 +132,8 @@ def _download(tmp: str) -> Path:
     cached = cache_root() / WHEEL
     if cached.exists():
         return cached
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           f"hls4ml=={HLS4ML_VERSION}", "-d", tmp]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", f"hls4ml=={HLS4ML_VERSION}", "-d", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as exc:
@@ -109,23 +147,27 @@ def _download(tmp: str) -> Path:
 
 def ap_types_dir() -> Path:
     """The unpacked ``ap_types`` headers: from the cache, else from the pinned hls4ml wheel (in
-    the cache, or downloaded with pip), checked and unpacked the first time."""
+    the cache, or downloaded with pip), checked and unpacked the first time; either way checked
+    against `AP_TYPES_SHA256` (`CsimIntegrityError`)."""
     target = cache_dir()
-    if (target / "ap_fixed.h").exists():
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        wheel = _download(tmp)
-        check_wheel(wheel)
-        staging = Path(tmp) / "ap_types"
-        staging.mkdir()
-        unpack_ap_types(wheel, staging)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + f".{os.getpid()}")
-        shutil.copytree(staging, partial)
-        try:
-            partial.rename(target)
-        except OSError:  # another process unpacked it first
-            shutil.rmtree(partial, ignore_errors=True)
+    if not os.path.lexists(target):
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = _download(tmp)
+            check_wheel(wheel)
+            staging = Path(tmp) / "ap_types"
+            staging.mkdir()
+            unpack_ap_types(wheel, staging)
+            partial = Path(tempfile.mkdtemp(dir=target.parent)) / "ap_types"  # fresh, beside the target
+            shutil.copytree(staging, partial)
+            try:
+                partial.rename(target)
+            except OSError:  # another process unpacked it first
+                pass
+            shutil.rmtree(partial.parent, ignore_errors=True)
+    problem = cache.unsafe(target)
+    if problem:
+        raise CsimIntegrityError(f"{target} {problem}; refusing the headers in it")
+    check_headers(target)
     return target
 
 
@@ -143,11 +185,20 @@ def run(source: str) -> list[float]:
         src, exe = Path(tmp) / "kernel.cpp", Path(tmp) / "kernel"
         src.write_text(source)
         cmd = [compiler(), "-std=c++17", "-O1", "-w", "-I", str(include), str(src), "-o", str(exe)]
-        build = subprocess.run(cmd, capture_output=True, text=True)
+        build = _run(cmd, COMPILE_TIMEOUT_S)
         if build.returncode:
             raise RuntimeError(f"g++ failed:\n{build.stderr[-3000:]}")
-        out = subprocess.run([str(exe)], capture_output=True, text=True, check=True)
+        out = _run([str(exe)], RUN_TIMEOUT_S)
+        if out.returncode:
+            raise RuntimeError(f"the C-simulation program exited with {out.returncode}:\n{out.stderr[-3000:]}")
     return [float(v) for v in out.stdout.split()]
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{Path(cmd[0]).name} ran past its {timeout:g} s timeout; stopped") from None
 
 
 # -- emitters ---------------------------------------------------------------------------------
