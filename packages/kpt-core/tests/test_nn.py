@@ -264,3 +264,9 @@ def test_layers_compile_in_one_graph() -> None:
         torch._dynamo.reset()
         compiled = grads(torch.compile(layer, fullgraph=True)(x), x)[0]
         close(compiled, eager)
+
+
+@pytest.mark.parametrize("layer", [kpt.nn.RMSNorm, kpt.nn.LayerNorm])
+def test_a_norm_given_the_wrong_width_names_its_input(layer: type) -> None:
+    with pytest.raises(kpt.KernelInputError, match=r"input has shape \(8, 32\); expected \[\.\.\., 64\]"):
+        layer(64)(torch.randn(8, 32))

@@ -50,6 +50,12 @@ def backend(t: Tensor) -> Backend:
     return found
 
 
+def _width(layer: str, x: Any, size: int) -> None:
+    """A norm layer's input ends in the layer's size: the error names the input, not the weight."""
+    if isinstance(x, Tensor) and (x.dim() == 0 or x.shape[-1] != size):
+        raise KernelInputError(f"kpt.nn.{layer}({size}): input has shape {tuple(x.shape)}; expected [..., {size}]")
+
+
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x², -1) + eps) * weight`` (``* (1 + weight)`` with ``unit_offset``, as
     Gemma's; its weight then starts at 0). Statistics in float32."""
@@ -63,6 +69,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: Tensor) -> Tensor:
+        _width("RMSNorm", x, self.weight.shape[0])
         # the offset weight in float32, as Gemma adds it (a float32 weight is within the contract)
         weight = 1.0 + self.weight.float() if self.unit_offset else self.weight
         return backend(x).rms_norm(x, weight, self.eps)
@@ -89,6 +96,7 @@ class LayerNorm(nn.Module):
             else None
 
     def forward(self, x: Tensor) -> Tensor:
+        _width("LayerNorm", x, self.normalized_shape[0])
         return backend(x).layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
