@@ -136,7 +136,7 @@ def installed() -> dict[str, list[metadata.EntryPoint]]:
 def load(name: str, eps: Sequence[metadata.EntryPoint]) -> Command | str:
     """The `Command` of subcommand ``name``, or why it cannot run (one line)."""
     if len(eps) > 1:
-        return f"claimed by {' and '.join(_distribution(ep) for ep in eps)}: uninstall one of them"
+        return f"claimed by {' and '.join(sorted(_distribution(ep) for ep in eps))}: uninstall one of them"
     ep = eps[0]
     try:
         command = ep.load()
