@@ -122,7 +122,8 @@ def test_a_pickle_runs_nothing_without_trust_pickle(tmp_path: Path, capsys: pyte
     torch.save({"weight": _Payload(marker)}, path)
     assert main(["estimate", str(path), "--input-shape", "1,16"]) == 2
     assert "not a torch.export program" in capsys.readouterr().err
-    assert main(["estimate", str(path), "--input-shape", "1,16", "--factory", "kpt_fpga_sim.loading:example_model"]) == 2
+    factory = ["--factory", "kpt_fpga_sim.loading:example_model"]
+    assert main(["estimate", str(path), "--input-shape", "1,16", *factory]) == 2
     assert "is not a state dict of tensors (a weights-only torch.load refused it)" in capsys.readouterr().err
     assert not marker.exists()
     assert main(["estimate", str(path), "--input-shape", "1,16", "--trust-pickle"]) == 2  # it ran, as the help warns
