@@ -30,6 +30,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from typing import NoReturn
 
 from .errors import BackendError, KernelInputError, KernelNotSupportedError
 
@@ -64,7 +65,7 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, but a mistake is one line (saying where the usage is), not the usage block."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]  # exits, as argparse's does
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -187,11 +188,9 @@ def parser(plugins: dict[str, Command | str] | None = None) -> argparse.Argument
     p.add_argument("--version", action="version", version=versions(),
                    help="show kpt-core's version and the installed kpt packages', then exit")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, command in BUILTIN.items():
+    loaded = {name: command for name, command in plugins.items() if isinstance(command, Command)}
+    for name, command in {**BUILTIN, **loaded}.items():
         _add(commands, name, command)
-    for name, command in plugins.items():
-        if isinstance(command, Command):
-            _add(commands, name, command)
     return p
 
 

@@ -28,7 +28,7 @@ import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -156,7 +156,8 @@ def _conv(dims: int) -> Callable[..., nn.Module]:
     def make(w: torch.Tensor, b: torch.Tensor | None = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
              groups: int = 1) -> nn.Module:
         conv = (nn.Conv1d, nn.Conv2d)[dims - 1]
-        return conv(w.shape[1] * groups, w.shape[0], tuple(w.shape[2:]), stride=stride, padding=padding,
+        kernel: Any = tuple(w.shape[2:])
+        return conv(w.shape[1] * groups, w.shape[0], kernel, stride=stride, padding=padding,
                     dilation=dilation, groups=groups, bias=b is not None)
     return make
 
@@ -201,9 +202,11 @@ _LAYERS: dict[Any, Callable[..., nn.Module]] = {
 }
 """ATen operator -> the module that computes it, from the call's arguments after the input
 (tensors for weights); `_batch_norm` takes the input too, for its rank."""
-_PARAMETERS = {_aten.linear.default: ("weight", "bias"), _aten.conv1d.default: ("weight", "bias"),
-               _aten.conv2d.default: ("weight", "bias"),
-               _aten.batch_norm.default: ("weight", "bias", "running_mean", "running_var")}
+_PARAMETERS: dict[Any, tuple[str, ...]] = {
+    _aten.linear.default: ("weight", "bias"), _aten.conv1d.default: ("weight", "bias"),
+    _aten.conv2d.default: ("weight", "bias"),
+    _aten.batch_norm.default: ("weight", "bias", "running_mean", "running_var"),
+}
 _WIRING = {_aten.dropout.default, _aten.clone.default, _aten.alias.default, _aten.contiguous.default}
 """Operators that pass their input on in an inference graph."""
 
@@ -239,9 +242,10 @@ def from_program(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
 
 
 def _layer(root: nn.Module, graph: torch.fx.Graph, node: torch.fx.Node, args: list[Any]) -> torch.fx.Node:
-    x, *rest = (tuple(a) if isinstance(a, list) else a for a in args)  # shapes as nn modules take them
+    values: list[Any] = [tuple(a) if isinstance(a, list) else a for a in args]  # shapes as nn modules take them
+    x, rest = values[0], values[1:]
     if node.target is _aten.batch_norm.default:
-        module = _batch_norm(node.args[0], *rest)
+        module = _batch_norm(cast(torch.fx.Node, node.args[0]), *rest)
     else:
         module = _LAYERS[node.target](*rest)
     with torch.no_grad():
