@@ -1,0 +1,255 @@
+"""Whole models on a GPU, as model builders run them: training throughput, peak memory and loss of
+transformers (eager and ``torch.compile``), Liger-Kernel and ``kpt.patch`` (eager and compiled) on
+three architectures, padded and packed fine-tuning, and ``generate()`` with the dynamic and the
+static cache.
+
+    python scripts/bench_models.py train    --steps 100 --out results/   # 3 architectures x 5 modes
+    python scripts/bench_models.py sft      --steps 60  --out results/   # padded and packed batches
+    python scripts/bench_models.py generate --out results/               # batch 1 and 16
+    python scripts/bench_models.py table results/                        # the Markdown tables
+
+Each run is its own process (its compile caches and peak memory are its own); the runs of one
+command go one after another, architectures outer, modes inner. Models are random-initialised,
+in bfloat16, on synthetic token ids (scripts/train_llama.py's corpus); AdamW. tokens/s counts the
+steps after the first ``--warmup`` (compilation included there). Generation is greedy; its
+bandwidth limit is the bytes of the weights plus the KV cache read per step over the copy
+bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    # the 125M Llama of scripts/train_llama.py
+    "llama-125m": ("LlamaConfig", {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                                   "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000}),
+    # Qwen3's vocabulary (and q/k norms) on the same body
+    "qwen3-151k": ("Qwen3Config", {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                                   "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+                                   "vocab_size": 151936}),
+    # grouped-query attention, 6 query heads per key/value head
+    "mistral-gqa": ("MistralConfig", {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                                      "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 64,
+                                      "vocab_size": 32000, "sliding_window": None}),
+    # for generate(): a 1.3B-shaped Llama
+    "llama-1.3b": ("LlamaConfig", {"hidden_size": 2048, "intermediate_size": 5504, "num_hidden_layers": 24,
+                                   "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000}),
+}
+MODES = ("hf", "hf+compile", "liger", "kpt", "kpt+compile")
+LIGER = {"llama-125m": "apply_liger_kernel_to_llama", "qwen3-151k": "apply_liger_kernel_to_qwen3",
+         "mistral-gqa": "apply_liger_kernel_to_mistral", "llama-1.3b": "apply_liger_kernel_to_llama"}
+
+
+def build(arch: str, mode: str) -> Any:
+    import transformers
+
+    import kpt
+
+    cls, shape = ARCHS[arch]
+    config = getattr(transformers, cls)(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    if mode.startswith("liger"):
+        import liger_kernel.transformers as liger
+
+        getattr(liger, LIGER[arch])(model=model)
+    elif mode.startswith("kpt"):
+        kpt.patch(model)
+    return model
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    import kpt
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "kpt": kpt.__version__,
+           "device": torch.cuda.get_device_name(), "cuda": str(torch.version.cuda)}
+    for name in ("triton", "liger_kernel"):
+        try:
+            out[name] = __import__(name).__version__
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+def batches(kind: str, vocab: int, batch: int, seq: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` batches: ``full`` rows of ``seq`` tokens; ``padded`` rows of random lengths in
+    [seq/4, seq], right-padded with their mask and -100 labels; ``packed`` documents of those lengths
+    concatenated into rows of ``seq`` with restarting ``position_ids`` (DataCollatorWithFlattening's
+    form)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from train_llama import corpus
+
+    data = corpus(vocab, seq, batch * steps, 1234)
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for step in range(steps):
+        tokens = data[step * batch:(step + 1) * batch]
+        if kind == "full":
+            out.append({"input_ids": tokens, "labels": tokens})
+            continue
+        lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=g)
+        if kind == "padded":
+            mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+            labels = tokens.masked_fill(mask == 0, -100)
+            out.append({"input_ids": tokens * mask, "attention_mask": mask, "labels": labels})
+        else:
+            positions = torch.cat([torch.arange(int(n)) for n in lengths.repeat(4)])[: batch * seq].view(batch, seq)
+            labels = tokens.masked_fill(positions == 0, -100)
+            out.append({"input_ids": tokens, "position_ids": positions, "labels": labels})
+    return out
+
+
+def one_train(arch: str, mode: str, kind: str, steps: int, warmup: int, batch: int, seq: int) -> dict[str, Any]:
+    model = build(arch, mode)
+    model.train()
+    step_fn = torch.compile(model) if mode.endswith("+compile") else model
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    data = batches(kind, model.config.vocab_size, batch, seq, steps)
+    torch.cuda.reset_peak_memory_stats()
+    losses, times, real = [], [], []
+    for b in data:
+        b = {k: v.cuda(non_blocking=True) for k, v in b.items()}
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step_fn(**b).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+        real.append(int((b["labels"] != -100).sum()) if kind == "padded" else b["input_ids"].numel())
+    timed = slice(warmup, None)
+    return {"arch": arch, "mode": mode, "kind": kind, "steps": steps, "warmup": warmup, "batch": batch, "seq": seq,
+            "loss_dtype": str(loss.dtype), "loss": losses,
+            "tokens_per_s": sum(real[timed]) / sum(times[timed]),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "versions": versions()}
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy (median of 20)."""
+    import triton.testing
+
+    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def one_generate(arch: str, mode: str, cache: str, batch: int, prompt: int, new: int) -> dict[str, Any]:
+    model = build(arch, mode).eval()
+    tokens = torch.randint(1, 32000, (batch, prompt), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(tokens)
+    mask[: batch // 2, : prompt // 4] = 0  # half the rows left-padded, as a tokenizer pads a batch
+    kw = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        model.generate(tokens, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up (and compile)
+        model.generate(tokens, **kw)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(tokens, **kw)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    mean_kv = batch * kv_per_token * (prompt + new / 2)
+    step_bytes = weights + mean_kv
+    bw = copy_bandwidth()
+    step = seconds / new
+    return {"arch": arch, "mode": mode, "cache": cache, "batch": batch, "prompt": prompt, "new": new,
+            "tokens_per_s": batch * new / seconds, "step_ms": step * 1e3,
+            "bandwidth_limit_ms": step_bytes / bw * 1e3, "fraction_of_bandwidth_limit": step_bytes / bw / step,
+            "copy_gb_s": bw / 1e9, "tokens": out[:, prompt:].tolist()[:2], "versions": versions()}
+
+
+def launch(out: Path, name: str, *args: str) -> None:
+    path = out / f"{name}.json"
+    cmd = [sys.executable, __file__, "one", str(path), *args]
+    print("+", " ".join(cmd[2:]), flush=True)
+    done = subprocess.run(cmd, timeout=900)
+    if done.returncode:
+        path.write_text(json.dumps({"name": name, "failed": done.returncode, "args": args}))
+
+
+def table(folder: Path) -> str:
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    lines = []
+    train = [r for r in runs if r.get("kind") == "full"]
+    if train:
+        lines += ["| architecture | mode | tokens/s | vs transformers + compile | peak GiB | final loss | loss dtype |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in train:
+            base = next((b for b in train if b["arch"] == r["arch"] and b["mode"] == "hf+compile"), None)
+            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else ""
+            lines.append(f"| {r['arch']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+                         f"{r['peak_memory_gib']:.2f} | {r['loss'][-1]:.4f} | {r['loss_dtype']} |")
+    sft = [r for r in runs if r.get("kind") in ("padded", "packed")]
+    if sft:
+        lines += ["", "| batches | mode | real tokens/s | peak GiB |", "|---|---|---|---|"]
+        lines += [f"| {r['kind']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {r['peak_memory_gib']:.2f} |" for r in sft]
+    gen = [r for r in runs if "cache" in r]
+    if gen:
+        lines += ["", "| batch | mode | cache | tokens/s | ms a step | bandwidth limit ms | fraction of limit |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['mode']} | {r['cache']} | {r['tokens_per_s']:,.1f} | {r['step_ms']:.2f} | "
+                  f"{r['bandwidth_limit_ms']:.3f} | {r['fraction_of_bandwidth_limit']:.3f} |" for r in gen]
+    failed = [r for r in runs if "failed" in r]
+    lines += [f"- failed: {r['name']} (exit {r['failed']})" for r in failed]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("train", "sft", "generate", "table", "one"))
+    p.add_argument("rest", nargs="*")
+    p.add_argument("--out", default="results")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--archs", default="llama-125m,qwen3-151k,mistral-gqa")
+    p.add_argument("--modes", default=",".join(MODES))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "one":
+        path, kind, *rest = args.rest
+        result = one_generate(*rest[:3], *map(int, rest[3:])) if kind == "generate" else \
+            one_train(*rest[:2], kind, *map(int, rest[2:]))
+        Path(path).write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k not in ("loss", "tokens", "versions")}), flush=True)
+    elif args.what == "train":
+        for arch in args.archs.split(","):
+            for mode in args.modes.split(","):
+                launch(out, f"train-{arch}-{mode}", "full", arch, mode, str(args.steps), str(args.warmup), "8", "2048")
+    elif args.what == "sft":
+        for kind in ("padded", "packed"):
+            for mode in args.modes.split(","):
+                launch(out, f"sft-{kind}-{mode}", kind, "llama-125m", mode, str(args.steps), str(args.warmup), "8",
+                       "2048")
+    elif args.what == "generate":
+        for batch in (1, 16):
+            for mode in args.modes.split(","):
+                for cache in ("dynamic", "static"):
+                    launch(out, f"generate-b{batch}-{mode}-{cache}", "generate", "llama-1.3b", mode, cache,
+                           str(batch), "128", "128")
+    else:
+        print(table(Path(args.rest[0] if args.rest else args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
