@@ -302,7 +302,8 @@ class Registry:
         if name is None:
             usable = [i for i in self.list() if i.available and not i.simulator and i.name in self.backends]
             return self._bound(self.backends[usable[0].name] if usable else self.backends["reference"])
-        self._load(name)
+        if name not in self.infos:  # once known, final: a name's plugins load shortest first
+            self._load(name)
         if name not in self.infos:
             known = sorted({*self.infos, *self._pending})
             raise BackendError(f"unknown kpt backend {name!r}{source}{install_hint(name)}; "
