@@ -136,6 +136,37 @@ def test_causal_mask_is_the_last_columns_of_a_cached_band(sq):
     assert len(bands) == 5  # widths 8, 16, 32 (for 24), 512, 1024 (for 520, 1016 and 1024)
 
 
+# (Sq, Skv, batch): calls that go to cuDNN, FlashAttention-2 or the warp-specialized forward unmasked
+LIBRARY_CALLS = {"equal": (64, 64, 1), "one_query": (1, 4096, 1), "chunk": (64, 4096, 1),
+                 "long_chunk": (2048, 8192, 4), "long_equal": (4096, 4096, 8)}
+
+
+@pytest.mark.parametrize("shape", LIBRARY_CALLS.values(), ids=LIBRARY_CALLS.keys())
+def test_masked_calls_run_the_portable_kernels(monkeypatch, shape):
+    """A call with a mask goes to the portable kernels, forward and backward, with the mask and the
+    arch's tuning keywords, where the same call without one goes to a library kernel or kpt's Hopper
+    forward: only they give the contract's result for a query that the mask hides every key from."""
+    sq, skv, batch = shape
+    tuned = {"tiles": tuning.SM90_HBM3E["attention_fwd"]["tiles"],
+             "warp_specialized": tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]}
+    q = torch.empty(batch, 8, sq, 128, dtype=torch.bfloat16)
+    k = torch.empty(batch, 2, skv, 128, dtype=torch.bfloat16)
+    mask = torch.ones(batch, 1, 1, skv, dtype=torch.bool).expand(batch, 8, sq, skv)
+    assert attention._library(q, k, True, 0.1, **tuned) is not None
+    assert attention._library(q, k, True, 0.1, backward=True) is not None
+    assert attention._library(q, k, True, 0.1, **tuned, mask=mask) is None
+    assert attention._library(q, k, True, 0.1, backward=True, mask=mask) is None
+    calls = []
+    monkeypatch.setattr(attention.portable, "attention_fwd", lambda *a, **kw: calls.append((a, kw)) or "fwd")
+    monkeypatch.setattr(attention.portable, "attention_bwd", lambda *a, **kw: calls.append((a, kw)) or "bwd")
+    assert attention.attention_fwd(q, k, k, True, 0.1, mask, **tuned) == "fwd"
+    lse = torch.empty(batch, 8, sq)
+    assert attention.attention_bwd(q, k, k, True, 0.1, mask, q, lse, q, tiles=tuned["tiles"]) == "bwd"
+    (fwd_args, fwd_tuning), (bwd_args, bwd_tuning) = calls
+    assert fwd_args[5] is mask and bwd_args[5] is mask
+    assert fwd_tuning["tiles"] is tuned["tiles"] and bwd_tuning == {"tiles": tuned["tiles"]}
+
+
 def test_fused_kernels_get_aligned_views():
     """A view at an odd storage offset, or with a row stride that is not 16-byte aligned, is copied
     before it reaches cuDNN or FlashAttention-2 (on an H100 such a view faulted with "misaligned

@@ -5,6 +5,7 @@ import torch
 
 import kpt
 from conftest import assert_close, check_kernel, device, to64
+from kpt.kernels import attention as attention_spec
 from kpt.spec import randn
 from kpt_triton import attention as k
 
@@ -42,14 +43,17 @@ TILES = {"portable": {}, "tiles16": {**_all_dims(16, 16), "decode": k.Decode(row
          "wide_decode": {"decode": WIDE_DECODE}}
 
 
-def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=None):
+def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=None, mask=None):
+    """A call's arguments; ``mask``: None or a bool tensor that broadcasts to [B, Hq, Sq, Skv], passed
+    as core's validation passes it (the broadcast view, stride 0 where it broadcasts)."""
     def draw(h, s):
         if transposed:
             return randn(g, b, s, h, d, dtype=dtype).transpose(1, 2)
         return randn(g, b, h, s, d, dtype=dtype)
 
     return {"q": draw(hq, sq), "k": draw(hkv, skv), "v": draw(hkv, skv), "causal": causal,
-            "scale": d**-0.5 if scale is None else scale}
+            "scale": d**-0.5 if scale is None else scale,
+            "mask": None if mask is None else mask.expand(b, hq, sq, skv)}
 
 
 def _bodies(tiles):
@@ -245,3 +249,112 @@ def _assert_backward_nan_as_the_reference(a, g):
         grad = grad.cpu().double()
         assert torch.equal(grad.isnan(), e.isnan()), f"{name}: NaN at other places than the reference's"
         assert_close(grad[e.isfinite()], e[e.isfinite()], torch.float32, name)
+
+
+# Masks: the conformance cases' forms (`kpt.kernels.attention.MASKS`: key padding, packed documents,
+# a sliding window, a static cache's slots, any per-head pattern), each as core passes it (a view
+# broadcast to [B, Hq, Sq, Skv]), on shapes whose rows cross tiles: (mask, (B, Hq, Hkv, Sq, Skv, D, causal))
+MASKED = {
+    # entry 1: 5 pads; entry 2 sees only the last key: its other queries see no key (o = 0, lse = -inf)
+    "left_padding": ("left_padding", (3, 4, 2, 24, 24, 32, True)),
+    "right_padding_bidirectional": ("right_padding", (2, 2, 1, 24, 24, 64, False)),
+    "packed": ("packed", (1, 4, 2, 40, 40, 32, True)),
+    "window_chunk": ("window", (2, 2, 1, 20, 48, 32, True)),  # a chunk of queries against a longer cache
+    "static_cache": ("static_cache", (2, 4, 2, 3, 32, 64, True)),  # few queries: the decode kernel
+    "random": ("random", (2, 4, 2, 20, 33, 16, False)),  # one pattern per head, a query that sees no key
+    "random_more_queries_causal": ("random", (2, 2, 1, 40, 17, 80, True)),
+}
+MASK_TILES = {n: TILES[n] for n in ("portable", "tiles16", "split_decode")}
+
+
+@pytest.mark.parametrize("tiles", MASK_TILES.values(), ids=MASK_TILES.keys())
+@pytest.mark.parametrize("case", MASKED.values(), ids=MASKED.keys())
+def test_masks(dtype, case, tiles):
+    name, shape = case
+    g = torch.Generator().manual_seed(sum(shape[:6]))
+    b, hq, _, sq, skv, _, _ = shape
+    args = _args(g, dtype, *shape, mask=attention_spec.MASKS[name](g, b, hq, sq, skv))
+    check_kernel("attention", *_bodies(tiles), args, dtype, compare_saved=("lse",))
+
+
+def _strided_masks(g, b, hq, sq, skv):
+    """Masks of other layouts than a broadcast one: keys outermost (a transposed view) and a slice at a
+    storage offset, with whole rows and columns False."""
+    transposed = (torch.rand(b, hq, skv, sq, generator=g) < 0.5).transpose(-1, -2)
+    transposed[:, :, 3] = False
+    sliced = (torch.rand(b, 1, sq + 3, skv + 5, generator=g) < 0.5)[:, :, 3:, 5:]
+    sliced[..., 7] = False
+    return {"transposed": transposed, "sliced": sliced}
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+@pytest.mark.parametrize("tiles", MASK_TILES.values(), ids=MASK_TILES.keys())
+def test_masks_of_any_strides_with_strided_inputs(dtype, layout, tiles):
+    """A mask read by its strides (never copied), with q, k, v as [B, S, H, D] views; grouped-query."""
+    g = torch.Generator().manual_seed(17)
+    shape = (2, 4, 2, 19, 35, 32)
+    mask = _strided_masks(g, 2, 4, 19, 35)[layout]
+    assert not mask.is_contiguous()
+    args = _args(g, dtype, *shape, True, transposed=True, mask=mask)
+    check_kernel("attention", *_bodies(tiles), args, dtype, compare_saved=("lse",))
+
+
+def _padded_decode_mask(b, skv):
+    """One query per head against a left-padded cache: entry 0 sees every key, entry 1 only the last
+    third (its first chunks hold padding alone), entry 2 none."""
+    mask = torch.ones(b, 1, 1, skv, dtype=torch.bool)
+    mask[1, ..., : 2 * skv // 3] = False
+    mask[2] = False
+    return mask
+
+
+@pytest.mark.parametrize("tiles", [{}, {"decode": SPLIT_DECODE}], ids=["portable", "split_decode"])
+def test_padded_decode_splits_the_cache(dtype, tiles, monkeypatch):
+    """The split-KV decode kernel (float32: the portable plan's chunks of 256 keys, with 64
+    multiprocessors; 16-bit with the split plan: 16): a chunk whose keys are all masked contributes
+    nothing to the merge, and a query that sees no key at all gets o = 0, lse = -inf and zero gradients."""
+    monkeypatch.setattr(k.tiling, "multiprocessor_count", lambda device: 64)
+    merges = []
+    combine = k._attn_decode_combine_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return combine[grid]
+
+    monkeypatch.setattr(k, "_attn_decode_combine_kernel", Spy())
+    b, skv = 3, 600
+    g = torch.Generator().manual_seed(19)
+    args = _args(g, dtype, b, 4, 1, 1, skv, 32, True, mask=_padded_decode_mask(b, skv))
+    check_kernel("attention", *_bodies(tiles), args, dtype, compare_saved=("lse",))
+    assert merges, "the call did not split its keys"
+
+
+# (shape, tuning): the forward kernel with small tiles, and the split decode kernel
+BLIND_MASKED = {"tiles": ((3, 4, 2, 24, 40, 32), TILES["tiles16"]),
+                "split_decode": ((3, 4, 1, 2, 600, 32), {"decode": SPLIT_DECODE})}
+
+
+@pytest.mark.parametrize("case", BLIND_MASKED.values(), ids=BLIND_MASKED.keys())
+def test_queries_whose_keys_are_all_masked_are_zero_not_nan(case):
+    """A query whose visible keys (the mask's and the causal mask's together) are none: o exactly 0,
+    lse -inf, dq exactly 0; a key no query sees: dk, dv exactly 0; no NaN anywhere. Entry 2's keys
+    are all masked, entry 1's first two thirds (with causal, its first queries may see none either)."""
+    shape, tuning = case
+    b, hq, _, sq, skv, _ = shape
+    g = torch.Generator().manual_seed(23)
+    a = {n: v.to(device()) if isinstance(v, torch.Tensor) else v
+         for n, v in _args(g, torch.float16, *shape, True, mask=_padded_decode_mask(b, skv)).items()}
+    visible = a["mask"] & attention_spec.visible_keys(sq, skv, True, a["mask"].device)
+    blind, unseen = ~visible.any(-1), ~visible.any(-2)  # [B, Hq, Sq] queries, [B, Hq, Skv] keys
+    assert blind[2].all() and not blind[0].any()
+    o, lse = k.attention_fwd(*a.values(), **tuning)
+    assert torch.equal(lse == float("-inf"), blind) and bool(lse[~blind].isfinite().all())
+    assert not bool(o[blind].any()) and not bool(o.isnan().any())
+    do = randn(g, *o.shape, dtype=o.dtype).to(o.device)
+    dq, dk, dv = k.attention_bwd(*a.values(), o, lse, do, **_all_dims(16, 16))
+    assert not bool(dq[blind].any())
+    unseen_kv = unseen.all(1)  # [B, Skv]: hidden from every query head (a key/value head's group)
+    for grad in (dk, dv):
+        assert not bool(grad.transpose(1, 2)[unseen_kv].any())
+    assert not any(bool(t.isnan().any()) for t in (dq, dk, dv))

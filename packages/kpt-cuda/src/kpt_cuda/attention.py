@@ -34,8 +34,11 @@ for it (`WarpSpecialized`), it runs that:
   whichever kernel computed them.
 
 Both return the softmax statistics kpt's backward contract wants (``lse``, natural log, float32).
-Everything else runs the portable kernels: float32, head dimensions that are not a multiple of 8,
-a zero ``scale`` (where the fused kernels return NaN), queries that see no key (causal with
+Everything else runs the portable kernels: a call with a ``mask``, forward and backward (they give
+the contract's result exactly, a query whose keys the mask hides entirely included: zeros, lse = -inf,
+zero gradients; the fused kernels take a mask only as cuDNN's additive bias, whose result for such a
+query is not the contract's to rely on), float32, head dimensions that are not a multiple of 8, a
+zero ``scale`` (where the fused kernels return NaN), queries that see no key (causal with
 ``Sq > Skv``, or ``Skv == 0``), empty tensors, GPUs other than Hopper (`available`).
 """
 
@@ -118,14 +121,14 @@ def available() -> bool:
 def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backward: bool = False,
              decode: portable.Decode = portable.PORTABLE_DECODE,
              tiles: portable.TilesByHeadDim | None = None,
-             warp_specialized: WarpSpecialized | None = None) -> str | None:
+             warp_specialized: WarpSpecialized | None = None, mask: torch.Tensor | None = None) -> str | None:
     """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "flash",
     "warp-specialized" (kpt's Hopper forward, where the arch's tuning gives it a ``warp_specialized``
-    plan), or None where the portable kernels run the call (its decode kernel with the plan ``decode``
-    among them, its forward with the arch's ``tiles``)."""
+    plan), or None where the portable kernels run the call (every call with a ``mask``; its decode
+    kernel with the plan ``decode`` among them, its forward with the arch's ``tiles``)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
-    if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
+    if (mask is not None or q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
             or (causal and sq > skv) or scale == 0.0):
         return None
     if backward:
@@ -495,15 +498,17 @@ def warp_specialized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     return o, lse
 
 
-def attention_fwd(q, k, v, causal, scale, *, decode: portable.Decode = portable.PORTABLE_DECODE,
+def attention_fwd(q, k, v, causal, scale, mask, *, decode: portable.Decode = portable.PORTABLE_DECODE,
                   tiles: portable.TilesByHeadDim | None = None, warp_specialized: WarpSpecialized | None = None,
                   **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
     (the decode kernel's plan and the forward's tiles among them, `kpt_cuda.tuning`) it passes on
-    when it hands a call over; ``warp_specialized`` is the arch's plan for kpt's Hopper forward."""
-    library = _library(q, k, causal, scale, decode=decode, tiles=tiles, warp_specialized=warp_specialized)
+    when it hands a call over (every call with a ``mask``); ``warp_specialized`` is the arch's plan
+    for kpt's Hopper forward."""
+    library = _library(q, k, causal, scale, decode=decode, tiles=tiles, warp_specialized=warp_specialized,
+                       mask=mask)
     if library is None:
-        return portable.attention_fwd(q, k, v, causal, scale, decode=decode, tiles=tiles, **tuning)
+        return portable.attention_fwd(q, k, v, causal, scale, mask, decode=decode, tiles=tiles, **tuning)
     causal = causal and q.shape[2] > 1
     q, k, v = (_fused_layout(t) for t in (q, k, v))
     if library == "warp-specialized":
@@ -518,14 +523,15 @@ def attention_fwd(q, k, v, causal, scale, *, decode: portable.Decode = portable.
     return o.contiguous(), lse.reshape(q.shape[:3]).contiguous()
 
 
-def attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning: Any
+def attention_bwd(q, k, v, causal, scale, mask, o, lse, do, **tuning: Any
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like the portable `kpt_triton.attention.attention_bwd`, from the forward's
-    ``(o, lse)``. No dropout, no sequence offsets: the random-state arguments are placeholders the
+    ``(o, lse)`` (the portable kernel's for every call with a ``mask``, which the portable backward
+    takes too). No dropout, no sequence offsets: the random-state arguments are placeholders the
     fused kernels do not read, the offsets undefined (an empty tensor would mean a varlen batch)."""
-    library = _library(q, k, causal, scale, backward=True)
+    library = _library(q, k, causal, scale, backward=True, mask=mask)
     if library is None or do is None:
-        return portable.attention_bwd(q, k, v, causal, scale, o, lse, do, **tuning)
+        return portable.attention_bwd(q, k, v, causal, scale, mask, o, lse, do, **tuning)
     sq, skv = q.shape[2], k.shape[2]
     causal = causal and sq > 1
     q, k, v = (_fused_layout(t) for t in (q, k, v))

@@ -10,6 +10,14 @@ Causal masking is aligned bottom-right: query i sees key j iff ``j <= i + Skv �
 that sees no key (``i < Sq − Skv``, or ``Skv == 0``) gets ``o = 0`` and ``lse = -inf``, and its
 gradients are zero; nothing along the way is NaN.
 
+A boolean ``mask`` (the kernels' ``HAS_MASK``) hides the pairs where it is False, on top of the
+causal mask: core passes it broadcast to ``[B, Hq, Sq, Skv]`` (stride 0 where it broadcasts), and
+the kernels read its tiles by those strides, as bytes, next to each block of scores. A hidden pair
+gets a -inf score in the forward and p = 0 in the backward. The mask skips no block (only the causal
+mask does), so a query whose keys it hides entirely gets o = 0 and lse = -inf as above, and in the
+split decode a chunk of keys all hidden from a query gives that query lse = -inf there, which adds
+nothing to the merge. Without a mask its pointer and strides are None: the kernels compile as before.
+
 Forward, per block of queries, streaming over blocks of keys, in base 2 with ``t = q kᵀ`` and
 ``c = scale · log2 e`` (one multiply-add per score)::
 
@@ -79,6 +87,13 @@ def _load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK
 
 
 @triton.jit
+def _load_mask(ptrs, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr):
+    """A tile of the boolean mask (read as bytes): True where the query may attend the key, False past
+    ``n_rows`` (always checked: the rows are queries or keys of a partial tile) and ``n_cols``."""
+    return _load_tile(ptrs, rows, n_rows, cols, n_cols, True, CHECK_COLS) != 0
+
+
+@triton.jit
 def _load_rows(base, rows, n_rows, stride_r, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """``[len(rows), BLOCK_D]`` rows of one head (zeros past ``n_rows`` and past the head dim)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -124,9 +139,11 @@ def _last_nonfinite_kernel(
 def _attn_fwd_blocks(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, qk_scale, shift, Skv,
+    mask_rows, rows, n_rows, stride_mn,  # with HAS_MASK: each tile row's mask row (its key 0), the
+    # rows' indices and count (the mask is read only for rows < n_rows)
     MASK: tl.constexpr,  # apply the key-range and causal masks (diagonal and tail blocks only)
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -134,10 +151,17 @@ def _attn_fwd_blocks(
         kt = _load_tile(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
                         offs_d, HEAD_DIM, offs_n, Skv, HEAD_DIM != BLOCK_D, MASK)
         qk = dot(q, kt, None, DOT_FP32, PRECISION)
-        if MASK:
-            visible = offs_n[None, :] < Skv
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+        if MASK or HAS_MASK:
+            if MASK:
+                visible = offs_n[None, :] < Skv
+                if CAUSAL:
+                    visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+                if HAS_MASK:
+                    visible = visible & _load_mask(mask_rows[:, None] + offs_n[None, :] * stride_mn,
+                                                   rows, n_rows, offs_n, Skv, True)
+            else:
+                visible = _load_mask(mask_rows[:, None] + offs_n[None, :] * stride_mn, rows, n_rows,
+                                     offs_n, Skv, False)
             # masked after scaling, so that scale = 0 never meets -inf
             s = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -147,7 +171,7 @@ def _attn_fwd_blocks(
         # = 0, not NaN), one that met a +inf score gets m = +inf and l = +inf (lse = +inf as the
         # reference's logsumexp; o = acc / l is NaN as the reference's exp(inf - inf))
         m_sub = tl.where(tl.abs(m_new) < float("inf"), m_new, 0.0)
-        if MASK:
+        if MASK or HAS_MASK:
             p = tl.exp2(s - m_sub[:, None])
         else:
             p = tl.exp2(qk * qk_scale - m_sub[:, None])
@@ -164,13 +188,16 @@ def _attn_fwd_blocks(
 def _attn_fwd_kernel(
     Q, K, V, OUT, LSE,  # OUT contiguous [B, Hq, Sq, D], LSE contiguous [B, Hq, Sq]
     LAST,  # with HIDDEN_KEYS: `_last_nonfinite_kernel` of V, int32 [B, Hkv, D]
+    MASK,  # with HAS_MASK: the boolean mask [B, Hq, Sq, Skv] as bytes, by its strides (0 where broadcast)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     Hq, GROUP, Sq, Skv,  # GROUP = Hq // Hkv query heads share one kv head
     qk_scale,  # scale · log2(e): the softmax runs in base 2
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     HIDDEN_KEYS: tl.constexpr,  # causal with Sq > 1: some keys are hidden from some queries
+    HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -183,6 +210,9 @@ def _attn_fwd_kernel(
     q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, Sq, stride_qm, stride_qd, HEAD_DIM, BLOCK_D)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    mask_rows = MASK  # None without a mask
+    if HAS_MASK:
+        mask_rows = MASK + b * stride_mb + h * stride_mh + offs_m * stride_mm
 
     shift = Skv - Sq
     if CAUSAL:
@@ -195,11 +225,13 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                     stride_vd, offs_m, 0, full, qk_scale, shift, Skv,
-                                     False, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                                     stride_vd, offs_m, 0, full, qk_scale, shift, Skv, mask_rows, offs_m, Sq,
+                                     stride_mn, False, CAUSAL, HAS_MASK, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32,
+                                     PRECISION)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                     stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
-                                     True, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                                     stride_vd, offs_m, full, hi, qk_scale, shift, Skv, mask_rows, offs_m, Sq,
+                                     stride_mn, True, CAUSAL, HAS_MASK, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32,
+                                     PRECISION)
 
     # l = 0: the row saw no key (m = -inf: lse = -inf, o = acc = 0); l NaN: a NaN score (lse, o NaN)
     lse = (m_i + tl.log2(l_i)) / LOG2E
@@ -219,12 +251,14 @@ def _attn_fwd_kernel(
 def _attn_decode_kernel(
     Q, K, V, OUT, LSE,  # OUT, LSE: with DIRECT as `_attn_fwd_kernel`'s; else float32 partials
     # [B·Hkv, splits, BLOCK_M, BLOCK_D] and [B·Hkv, splits, BLOCK_M] (lse in base 2)
+    MASK,  # as `_attn_fwd_kernel`'s
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     Hkv, GROUP, Sq, Skv, CHUNK,  # CHUNK: keys per split, a multiple of BLOCK_N
     qk_scale,
-    CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, DIRECT: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -241,6 +275,9 @@ def _attn_decode_kernel(
                 + offs_d[None, :] * stride_qd, mask=(r[:, None] < rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    mask_rows = MASK  # None without a mask
+    if HAS_MASK:
+        mask_rows = MASK + b * stride_mb + (hk * GROUP + r // Sq) * stride_mh + offs_m * stride_mm
 
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, Skv)
@@ -252,11 +289,13 @@ def _attn_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                     stride_vd, offs_m, lo, full, qk_scale, shift, Skv,
-                                     False, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                                     stride_vd, offs_m, lo, full, qk_scale, shift, Skv, mask_rows, r, rows,
+                                     stride_mn, False, CAUSAL, HAS_MASK, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32,
+                                     PRECISION)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                     stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
-                                     True, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                                     stride_vd, offs_m, full, hi, qk_scale, shift, Skv, mask_rows, r, rows,
+                                     stride_mn, True, CAUSAL, HAS_MASK, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32,
+                                     PRECISION)
     # the keys hidden from a query lie in the blocks loaded with the mask: a v row with an inf or NaN
     # there reaches o through p = 0 (0 · inf) as in the reference, with no record of v needed
     lse2 = m_i + tl.log2(l_i)
@@ -319,9 +358,10 @@ def _attn_bwd_delta_kernel(
 def _attn_bwd_dkdv_blocks(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    offs_n, lo, hi, qk_scale, shift, Sq,
+    offs_n, lo, hi, qk_scale, shift, Sq, Skv,
+    mask_keys, stride_mm,  # with HAS_MASK: each key's column of the head's mask (its query 0)
     MASK: tl.constexpr,  # apply the causal mask (query blocks on the diagonal only)
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Queries past Sq load as zeros (q = do = 0, δ = 0) and keys past Skv are never stored; a
@@ -336,9 +376,13 @@ def _attn_bwd_dkdv_blocks(
         delta = tl.load(delta_base + offs_m, mask=offs_m < Sq, other=0.0)
         pt = tl.exp2(dot(k, tl.trans(q), None, DOT_FP32, PRECISION) * qk_scale - lse[None, :])
         if MASK:
-            pt = tl.where((offs_n[:, None] <= offs_m[None, :] + shift) & (offs_m < Sq)[None, :], pt, 0.0)
+            visible = (offs_n[:, None] <= offs_m[None, :] + shift) & (offs_m < Sq)[None, :]
         else:
-            pt = tl.where((offs_m < Sq)[None, :], pt, 0.0)
+            visible = (offs_m < Sq)[None, :]
+        if HAS_MASK:
+            visible = visible & _load_mask(mask_keys[:, None] + offs_m[None, :] * stride_mm, offs_n, Skv, offs_m,
+                                           Sq, True)
+        pt = tl.where(visible, pt, 0.0)
         dv = dot(pt.to(do.dtype), do, dv, DOT_FP32, PRECISION)
         dpt = dot(v, tl.trans(do), None, DOT_FP32, PRECISION)
         dk = dot((pt * (dpt - delta[None, :])).to(q.dtype), q, dk, DOT_FP32, PRECISION)
@@ -348,13 +392,15 @@ def _attn_bwd_dkdv_blocks(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DOUT, LSE, DELTA, DK, DV,  # DK, DV contiguous [B, Hkv, Skv, D]
+    MASK,  # as `_attn_fwd_kernel`'s
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     Hkv, GROUP, Sq, Skv,
     scale, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -384,14 +430,17 @@ def _attn_bwd_dkdv_kernel(
         stats = (b * Hkv * GROUP + h) * Sq
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DOUT + b * stride_dob + h * stride_doh
+        mask_keys = MASK  # None without a mask
+        if HAS_MASK:
+            mask_keys = MASK + b * stride_mb + h * stride_mh + offs_n * stride_mn
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, LSE + stats, DELTA + stats,
                                        stride_qm, stride_qd, stride_dom, stride_dod,
-                                       offs_n, lo, full, qk_scale, shift, Sq,
-                                       True, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_FP32, PRECISION)
+                                       offs_n, lo, full, qk_scale, shift, Sq, Skv, mask_keys, stride_mm,
+                                       True, HAS_MASK, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_FP32, PRECISION)
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, LSE + stats, DELTA + stats,
                                        stride_qm, stride_qd, stride_dom, stride_dod,
-                                       offs_n, full, Sq, qk_scale, shift, Sq,
-                                       False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_FP32, PRECISION)
+                                       offs_n, full, Sq, qk_scale, shift, Sq, Skv, mask_keys, stride_mm,
+                                       False, HAS_MASK, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_FP32, PRECISION)
     _store_rows(DK + bhk * Skv * HEAD_DIM, offs_n, Skv, HEAD_DIM, dk * scale, HEAD_DIM, BLOCK_D)
     _store_rows(DV + bhk * Skv * HEAD_DIM, offs_n, Skv, HEAD_DIM, dv, HEAD_DIM, BLOCK_D)
 
@@ -399,10 +448,11 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _attn_bwd_dq_blocks(
     dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, lo, hi, qk_scale, shift, Skv,
+    offs_m, lo, hi, qk_scale, shift, Sq, Skv,
+    mask_rows, stride_mn,  # with HAS_MASK: each query's row of the head's mask (its key 0)
     MASK: tl.constexpr,  # apply the key-range and causal masks (diagonal and tail blocks only)
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # keys past Skv load as zeros, but an inf in q makes their score inf · 0 = NaN, whose ds would
     # reach dq through the zero row of k (NaN · 0): their p is masked to 0 like a hidden key's
@@ -417,7 +467,13 @@ def _attn_bwd_dq_blocks(
             visible = offs_n[None, :] < Skv
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+            if HAS_MASK:
+                visible = visible & _load_mask(mask_rows[:, None] + offs_n[None, :] * stride_mn, offs_m, Sq,
+                                               offs_n, Skv, True)
             p = tl.where(visible, p, 0.0)
+        elif HAS_MASK:
+            p = tl.where(_load_mask(mask_rows[:, None] + offs_n[None, :] * stride_mn, offs_m, Sq, offs_n, Skv,
+                                    False), p, 0.0)
         dp = dot(do, vt, None, DOT_FP32, PRECISION)
         dq = dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, DOT_FP32, PRECISION)
     return dq
@@ -426,13 +482,15 @@ def _attn_bwd_dq_blocks(
 @triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, DOUT, LSE, DELTA, DQ,  # DQ contiguous [B, Hq, Sq, D]
+    MASK,  # as `_attn_fwd_kernel`'s
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     Hq, GROUP, Sq, Skv,
     scale, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -450,6 +508,9 @@ def _attn_bwd_dq_kernel(
     delta = tl.load(DELTA + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    mask_rows = MASK  # None without a mask
+    if HAS_MASK:
+        mask_rows = MASK + b * stride_mb + h * stride_mh + offs_m * stride_mm
 
     shift = Skv - Sq
     if CAUSAL:
@@ -460,11 +521,11 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                             stride_vd, offs_m, 0, full, qk_scale, shift, Skv,
-                             False, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                             stride_vd, offs_m, 0, full, qk_scale, shift, Sq, Skv, mask_rows, stride_mn,
+                             False, CAUSAL, HAS_MASK, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                             stride_vd, offs_m, full, hi, qk_scale, shift, Skv,
-                             True, CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
+                             stride_vd, offs_m, full, hi, qk_scale, shift, Sq, Skv, mask_rows, stride_mn,
+                             True, CAUSAL, HAS_MASK, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_FP32, PRECISION)
     _store_rows(DQ + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, dq * scale, HEAD_DIM, BLOCK_D)
 
 
@@ -545,12 +606,22 @@ def _tiles(
     return block_d, _portable_tiles(block_d, dtype, backward)
 
 
+def _mask_args(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int | None, ...]]:
+    """The mask as the kernels read it: its bytes (a bool is one byte: the uint8 view keeps the
+    strides of the broadcast view core passes, no copy) and its 4 strides; all None without one, so
+    that the unmasked kernels compile as if the arguments were not there."""
+    if mask is None:
+        return None, (None,) * 4
+    return mask.view(torch.uint8), mask.stride()
+
+
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
     *, tiles: TilesByHeadDim | None = None, decode: Decode = PORTABLE_DECODE, fp32_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(o, lse)``: ``o`` like q (contiguous), ``lse`` float32 ``[B, Hq, Sq]`` (natural log).
 
+    ``mask``: None or bool ``[B, Hq, Sq, Skv]`` (any strides), True where the query may attend the key.
     ``tiles`` overrides the portable tiles per head dim; ``decode`` how a call whose queries of one
     KV head fit in one tile splits its keys (`_decode`); ``fp32_precision`` is the dot precision for
     float32 inputs ("ieee", or "tf32" where a backend accepts its error).
@@ -563,7 +634,8 @@ def attention_fwd(
         return o, lse
     block_d, t = _tiles(D, q.dtype, tiles, backward=False)
     if _decodes(q, k, block_d, t, decode):
-        return _decode(q, k, v, o, lse, causal, scale, block_d, t, decode, dot_precision(q.dtype, fp32_precision))
+        return _decode(q, k, v, mask, o, lse, causal, scale, block_d, t, decode,
+                       dot_precision(q.dtype, fp32_precision))
     # with a causal mask and more than one query, some keys are hidden from some queries
     last = torch.empty((B, Hkv, D), dtype=torch.int32, device=q.device) if causal and Sq > 1 else None
     if last is not None:
@@ -572,11 +644,12 @@ def attention_fwd(
                                                BLOCK_D=block_d, num_warps=t.num_warps)
         else:
             last.fill_(-1)
+    m, m_strides = _mask_args(mask)
     _attn_fwd_kernel[(cdiv(Sq, t.block_m), B * Hq)](
-        q, k, v, o, lse, last,
-        *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, o, lse, last, m,
+        *q.stride(), *k.stride(), *v.stride(), *m_strides,
         Hq, Hq // Hkv, Sq, Skv, scale * _LOG2E,
-        CAUSAL=causal, HEAD_DIM=D, HIDDEN_KEYS=last is not None,
+        CAUSAL=causal, HEAD_DIM=D, HIDDEN_KEYS=last is not None, HAS_MASK=mask is not None,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d,
         DOT_FP32=DOT_FP32, PRECISION=dot_precision(q.dtype, fp32_precision),
         num_warps=t.num_warps, num_stages=t.num_stages, **t.options,
@@ -606,8 +679,8 @@ def _planned(dtype: torch.dtype, block_d: int) -> bool:
 
 
 def _decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float, block_d: int, tiles: Tiles, plan: Decode, precision: str,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, o: torch.Tensor,
+    lse: torch.Tensor, causal: bool, scale: float, block_d: int, tiles: Tiles, plan: Decode, precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoding (flash-decoding): one program per KV head and chunk of keys takes every query of
     the heads sharing that KV head in one tile, so each key and value is read once per KV head,
@@ -632,11 +705,12 @@ def _decode(
     else:
         out = torch.empty((B * Hkv, splits, block_m, block_d), dtype=torch.float32, device=q.device)
         out_lse = torch.empty((B * Hkv, splits, block_m), dtype=torch.float32, device=q.device)
+    m, m_strides = _mask_args(mask)
     _attn_decode_kernel[(splits, B * Hkv)](
-        q, k, v, out, out_lse, *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, out, out_lse, m, *q.stride(), *k.stride(), *v.stride(), *m_strides,
         Hkv, Hq // Hkv, Sq, Skv, chunk, scale * _LOG2E,
-        CAUSAL=causal, DIRECT=direct, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_FP32=DOT_FP32, PRECISION=precision,
+        CAUSAL=causal, HAS_MASK=mask is not None, DIRECT=direct, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_FP32=DOT_FP32, PRECISION=precision,
         # float32's dot holds twice the registers (sm90, 32 rows of head dim 64: 1376 spilled bytes
         # a thread in 4 warps)
         num_warps=((plan.wide_warps or plan.num_warps) if block_m > 64 else plan.num_warps)
@@ -652,7 +726,7 @@ def _decode(
 
 
 def attention_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
     o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor | None,
     *, tiles: TilesByHeadDim | None = None, fp32_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -670,24 +744,26 @@ def attention_bwd(
     if do is None:
         return dq, dk, dv
     block_d, t = _tiles(D, q.dtype, tiles, backward=True)
-    common = {"CAUSAL": causal, "HEAD_DIM": D, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_D": block_d,
+    common = {"CAUSAL": causal, "HAS_MASK": mask is not None, "HEAD_DIM": D, "BLOCK_M": t.block_m,
+              "BLOCK_N": t.block_n, "BLOCK_D": block_d,
               "DOT_FP32": DOT_FP32, "PRECISION": dot_precision(q.dtype, fp32_precision),
               "num_warps": t.num_warps, "num_stages": t.num_stages, **t.options}
     delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    m, m_strides = _mask_args(mask)
     if dq.numel() > 0:
         _attn_bwd_delta_kernel[(cdiv(Sq, t.block_m), B * Hq)](
             o, do, delta, *do.stride(), Hq, Sq,
             HEAD_DIM=D, BLOCK_M=t.block_m, BLOCK_D=block_d, num_warps=t.num_warps, **t.options,
         )
         _attn_bwd_dq_kernel[(cdiv(Sq, t.block_m), B * Hq)](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            q, k, v, do, lse, delta, dq, m,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *m_strides,
             Hq, Hq // Hkv, Sq, Skv, scale, scale * _LOG2E, **common,
         )
     if dk.numel() > 0:
         _attn_bwd_dkdv_kernel[(cdiv(Skv, t.block_n), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            q, k, v, do, lse, delta, dk, dv, m,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *m_strides,
             Hkv, Hq // Hkv, Sq, Skv, scale, scale * _LOG2E, **common,
         )
     return dq, dk, dv
