@@ -23,8 +23,10 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def device() -> torch.device:
-    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    return torch.device("cuda" if gpu else "cpu")
+    """The GPU (with its index, as the tensors on it name it) or, under the interpreter, the CPU."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def to64(v: Any) -> Any:

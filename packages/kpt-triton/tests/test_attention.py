@@ -45,7 +45,8 @@ TILES = {"portable": {}, "tiles16": {**_all_dims(16, 16), "decode": k.Decode(row
 
 def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=None, mask=None):
     """A call's arguments; ``mask``: None or a bool tensor that broadcasts to [B, Hq, Sq, Skv], passed
-    as core's validation passes it (the broadcast view, stride 0 where it broadcasts)."""
+    as core's validation passes it (the broadcast view, stride 0 where it broadcasts), on the test
+    device already (a copy into a view with stride 0 is refused)."""
     def draw(h, s):
         if transposed:
             return randn(g, b, s, h, d, dtype=dtype).transpose(1, 2)
@@ -53,7 +54,7 @@ def _args(g, dtype, b, hq, hkv, sq, skv, d, causal, *, transposed=False, scale=N
 
     return {"q": draw(hq, sq), "k": draw(hkv, skv), "v": draw(hkv, skv), "causal": causal,
             "scale": d**-0.5 if scale is None else scale,
-            "mask": None if mask is None else mask.expand(b, hq, sq, skv)}
+            "mask": None if mask is None else mask.to(device()).expand(b, hq, sq, skv)}
 
 
 def _bodies(tiles):
