@@ -555,7 +555,7 @@ class Decode(NamedTuple):
       options the kernel takes too, so it fits wherever they do), with ``num_warps`` warps
       (``wide_warps`` for tiles of more than 64 rows, None: the same; twice that in float32);
       ``block_n`` halves until a tile holds at most ``scores`` scores (rows × keys, held in
-      registers).
+      registers; half as many with a mask, whose tile takes registers too).
     - The keys split into chunks of at least ``split_keys``, one program each, as many as fill one
       wave of ``programs_per_sm`` programs per multiprocessor (a second, partial wave would take as
       long as the first), at most `MAX_SPLITS`.
@@ -692,7 +692,10 @@ def _decode(
     block_m = max(16, next_pow2(rows))
     plan = plan if _planned(q.dtype, block_d) else PORTABLE_DECODE
     block_n = tiles.block_n if plan.block_n is None else plan.block_n
-    while block_n > 16 and block_m * block_n > plan.scores:
+    # a mask's tile (its addresses and bytes) holds about the registers of a second tile of scores:
+    # half the keys a step (sm90, 128 rows of head dim 32 in 4 warps: 9448 spilled bytes a thread, none)
+    scores = plan.scores // 2 if mask is not None else plan.scores
+    while block_n > 16 and block_m * block_n > scores:
         block_n //= 2
     stages = tiles.num_stages if plan.num_stages is None else plan.num_stages
     wave = tiling.multiprocessor_count(q.device) * plan.programs_per_sm // (B * Hkv)
