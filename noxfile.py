@@ -1,8 +1,9 @@
 """Sessions for kpt: unit tests, the conformance suite per backend, its report, lint and benchmarks.
 
     nox                                     # every session this machine can run
-    nox -s conformance report               # the main job: every backend that can run here, then the report
-    nox -s lint wheels conformance example aot usage models newest docs  # what CI runs (scripts/ci.sh: in two streams)
+    nox -s main                             # the main job: every backend that can run here, then the report
+    nox -s conformance report               # the same at full depth, one virtualenv per profile
+    nox -s lint wheels conformance install example aot usage models newest docs  # CI (scripts/ci.sh)
     nox -s vendor -- ../kpt-acme            # a backend package from outside: its path or requirement
 
 Every session installs from constraints/ci.txt, so a CPU machine never downloads CUDA wheels.
@@ -16,7 +17,11 @@ the packages it builds on) and nothing else, and runs `kpt check` on it.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nox
@@ -63,6 +68,10 @@ PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]
 BFLOAT16_CUT = ("-k", "bfloat16 or not test_numerics")
 CUTS = {"rocm-interpret": BFLOAT16_CUT, "xpu-interpret": BFLOAT16_CUT,
         "mps-emulate": ("-k", "float32 or fp32_ or not test_numerics")}
+# torch on one thread: the suite's tensors are small, and torch's default OpenMP threads busy-wait on
+# them (the reference's rms_norm, softmax and attention cases: 93 s of CPU with the default two
+# threads of a 2-core machine, 20 s with one)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 BASE = ("kpt-core", "kpt-conformance")  # every session's: the contract and the suite
 PACKAGES = (*BASE, "kpt-triton", "kpt-cuda", "kpt-rocm", "kpt-xpu", "kpt-fpga-sim", "kpt-mps")
 EXAMPLE = "examples/kpt-example"
@@ -108,8 +117,9 @@ def conformance(session: nox.Session, profile: str) -> None:
     Arguments after -- go to pytest (``-x``, ``-k rms_norm``, ``--kpt-kernels rms_norm``)."""
     backend, packages, extra, env = PROFILES[profile]
     _install(session, *packages, extra=extra)
-    session.run("kpt", "check", "--backend", backend, "--report", f"reports/{profile}",
-                "--xfails", "conformance/xfails", "--", *CUTS.get(profile, ()), *session.posargs, env=env)
+    session.run("kpt", "check", "--backend", backend, "--force", "--report", f"reports/{profile}",
+                "--xfails", "conformance/xfails", "--", *CUTS.get(profile, ()), *session.posargs,
+                env={**ONE_THREAD, **env})
 
 
 # the newest releases kpt supports; the rest as constraints/ci.txt pins it (torch: the CPU build of
@@ -139,7 +149,7 @@ def _release_checks(session: nox.Session, releases: dict[str, str], packages: tu
     for package in packages:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"packages/{package}/tests",
                     *(cuts or {}).get(package, ()), *session.posargs, env=env)
-    session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--report", f"reports/{report}",
+    session.run("kpt", "check", "--backend", "cuda", "--dtypes", "float32", "--force", "--report", f"reports/{report}",
                 "--xfails", "conformance/xfails", env=env)
 
 
@@ -178,7 +188,7 @@ def fuzz(session: nox.Session) -> None:
     for profile in PROFILES:
         backend, packages, extra, env = PROFILES[profile]
         _install(session, *packages, extra=extra)
-        session.run("kpt", "check", "--backend", backend, "--report", f"reports/fuzz-{profile}", "--",
+        session.run("kpt", "check", "--backend", backend, "--force", "--report", f"reports/fuzz-{profile}", "--",
                     "-k", "fuzz", "--kpt-fuzz-examples", invalid, "--kpt-fuzz-valid-examples", valid, env=env)
 
 
@@ -234,17 +244,80 @@ def vendor(session: nox.Session) -> None:
     listed = session.run("python", "-c", "import kpt; print(*(i.name for i in kpt.list_backends()))", silent=True)
     for backend in listed.split():
         if backend != "reference":
-            session.run("kpt", "check", "--backend", backend, "--report", f"reports/vendor-{backend}")
+            session.run("kpt", "check", "--backend", backend, "--force", "--report", f"reports/vendor-{backend}")
+
+
+def _write_report(session: nox.Session, reports: list[Path]) -> None:
+    """Gather the conformance tables ``reports`` (conformance.md files) into reports/conformance.md."""
+    parts = [p.read_text() for p in reports if p.is_file()]
+    if not parts:
+        session.error("no conformance reports under reports/: run `nox -s main` or `nox -s conformance` first")
+    Path("reports/conformance.md").write_text("# kpt conformance report\n\n" + "\n".join(parts))
+    session.log("wrote reports/conformance.md:\n\n" + "\n".join(parts))
 
 
 @nox.session(venv_backend="none")
 def report(session: nox.Session) -> None:
     """Gather every profile's conformance table into reports/conformance.md."""
-    parts = [p.read_text() for p in sorted(Path("reports").glob("*/conformance.md"))]
-    if not parts:
-        session.error("no conformance reports under reports/: run `nox -s conformance` first")
-    Path("reports/conformance.md").write_text("# kpt conformance report\n\n" + "\n".join(parts))
-    session.log("wrote reports/conformance.md:\n\n" + "\n".join(parts))
+    _write_report(session, sorted(Path("reports").glob("*/conformance.md")))
+
+
+# the main job's cuts: CI's, and the bfloat16 cut for cuda-interpret too, which CI runs whole (by
+# itself about 400 s of CPU, as long as the other simulated profiles' cuts together)
+MAIN_CUTS = {**CUTS, "cuda-interpret": BFLOAT16_CUT}
+# the main job's seconds per profile on a 2-core CPU machine, two at a time with one thread each
+# (measured; for the estimate of what is left), longest first: the order the job starts them in
+MAIN_EXPECTED_S = {"cuda-interpret": 245, "rocm-interpret": 185, "xpu-interpret": 175, "fpga-sim-fixed": 105,
+                   "mps-emulate": 70, "reference": 50, "fpga-sim": 50}
+MAIN_WORKERS = 2  # one profile per core: most of a profile's time is one Python thread
+
+
+@nox.session(default=False)
+def main(session: nox.Session) -> None:
+    """The main job: `kpt check` on every profile of `PROFILES` in one virtualenv (every package),
+    the simulated ones at the cut of `MAIN_CUTS`, two at a time with one thread each, a line per profile
+    as it ends (its time, the time so far, an estimate of what is left), then reports/conformance.md.
+    Each profile's output goes to build/main/<profile>.log; a failing profile's tail is printed.
+    ``nox -s conformance report`` runs every profile at full depth, one virtualenv each."""
+    _install(session, *PACKAGES[len(BASE) :], extra=("numpy",))
+    logs = Path("build/main")
+    logs.mkdir(parents=True, exist_ok=True)
+    profiles = sorted(PROFILES, key=lambda p: -MAIN_EXPECTED_S.get(p, 60))
+    started, running, done = time.monotonic(), {}, []
+    path = os.pathsep.join([session.bin, os.environ.get("PATH", "")])
+
+    def check(profile: str) -> tuple[str, int, float]:
+        backend, _, _, env = PROFILES[profile]
+        running[profile] = time.monotonic()
+        command = ["kpt", "check", "--backend", backend, "--force", "--report", f"reports/{profile}",
+                   "--xfails", "conformance/xfails", "--", *MAIN_CUTS.get(profile, ()), *session.posargs]
+        with open(logs / f"{profile}.log", "w") as log:
+            child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PATH": path, **ONE_THREAD, **env})
+            _, status, usage = os.wait4(child.pid, 0)  # its CPU time: what it costs on a machine of its own
+        code = os.waitstatus_to_exitcode(status)
+        seconds = time.monotonic() - running.pop(profile)
+        done.append(profile)
+        now = time.monotonic()
+        waiting = [p for p in profiles if p not in done and p not in running]
+        left = sum(MAIN_EXPECTED_S.get(p, 60) for p in waiting) + sum(
+            max(0, MAIN_EXPECTED_S.get(p, 60) - (now - t)) for p, t in running.items())
+        session.log(f"[{len(done)}/{len(profiles)}] {profile} {'passed' if code == 0 else 'FAILED'} in "
+                    f"{seconds:.0f} s ({usage.ru_utime + usage.ru_stime:.0f} s of CPU); {now - started:.0f} s so far, "
+                    f"about {left / MAIN_WORKERS:.0f} s left")
+        return profile, code, seconds
+
+    session.log(f"{len(profiles)} profiles, {MAIN_WORKERS} at a time: {', '.join(profiles)}; logs in {logs}/")
+    with ThreadPoolExecutor(MAIN_WORKERS) as pool:
+        results = list(pool.map(check, profiles))
+    _write_report(session, [Path(f"reports/{p}/conformance.md") for p in profiles])
+    failed = [p for p, code, _ in results if code != 0]
+    for profile in failed:
+        tail = (logs / f"{profile}.log").read_text().splitlines()[-30:]
+        session.log(f"{profile} failed; the end of {logs}/{profile}.log:\n" + "\n".join(tail))
+    if failed:
+        session.error(f"failed: {', '.join(failed)} ({time.monotonic() - started:.0f} s)")
+    session.log(f"every profile passed in {time.monotonic() - started:.0f} s")
 
 
 # backend -> the arch tags compiled ahead of time by the aot session
@@ -299,8 +372,11 @@ def models(session: nox.Session, transformers: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
+    """ruff over the repository; the results tables (benchmarks/<device>.md, README.md's) as
+    scripts/results_table.py writes them from benchmarks/<device>.json."""
     session.install(*CONSTRAINTS, "ruff")
     session.run("ruff", "check", ".")
+    session.run("python", "scripts/results_table.py", "--check")
 
 
 def _distributions() -> list[Path]:
@@ -333,7 +409,7 @@ def wheels(session: nox.Session) -> None:
     # the installed kpt-conformance on the installed kpt-core, two kernels in float32 (every kernel and
     # dtype of the reference runs in `conformance(profile='reference')`, on wheels pip builds likewise)
     session.run("kpt", "check", "--backend", "reference", "--dtypes", "float32", "--kernels", "rms_norm,attention",
-                "--report", "reports/wheels-reference", "--xfails", "conformance/xfails")
+                "--force", "--report", "reports/wheels-reference", "--xfails", "conformance/xfails")
 
 
 @nox.session

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What CI runs (README.md's test command): the same nox sessions as
-#     nox -s lint wheels conformance example aot usage models newest docs
+#     nox -s lint wheels conformance install example aot usage models newest docs
 # but lint first, then the rest in two streams at once, one for each core of a 2-core CI machine
 # (most of their time is one Python thread: Triton's interpreter, the Metal emulator, the FPGA
 # simulator). A line per session as it starts and as it ends (with its time) comes while the streams
@@ -20,8 +20,8 @@ rm -rf build/ci/env-lint
 # with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without; "newest" is the session
 # `newest` and models(transformers='newest')
 streams=(
-  "wheels or (conformance and cuda) or aot or example or docs or (models and oldest)"
-  "(conformance and not cuda) or usage or newest"
+  "wheels or (conformance and cuda) or aot or example or docs or (models and oldest) or (install and (reference or cuda or rocm))"
+  "(conformance and not cuda) or usage or newest or (install and (xpu or fpga or mps))"
 )
 
 # run_stream INDEX EXPRESSION: every session that `nox -k EXPRESSION` selects, one at a time, its
