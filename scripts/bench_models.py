@@ -178,7 +178,7 @@ def one_generate(arch: str, mode: str, cache: str, batch: int, prompt: int, new:
 
 
 def launch(out: Path, name: str, *args: str) -> None:
-    path = out / f"{name}.json"
+    path = out / f"{name.replace('+', '-')}.json"  # "+" is no file name for every tool
     cmd = [sys.executable, __file__, "one", str(path), *args]
     print("+", " ".join(cmd[2:]), flush=True)
     done = subprocess.run(cmd, timeout=900)
