@@ -54,7 +54,7 @@ def test_a_vendor_missing_a_hook_fails_at_instantiation(hook):
 def test_without_its_device_the_reason_says_how_to_run_anyway(on_device):
     be = Acme()
     assert be.is_available() == (False, "no Acme GPU visible (TRITON_INTERPRET=1 runs its Triton kernels "
-                                        "on CPU tensors)")
+                                        "on CPU tensors, with numpy: pip install 'kpt-acme[interpret]')")
     assert be.environment()["device"] == "none (no Acme GPU visible)"
     assert not be.simulator and be.conformance_profile == "acme" and be.device() == torch.device("cuda")
 

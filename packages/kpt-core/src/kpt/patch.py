@@ -256,7 +256,7 @@ def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
 
-def _positional(cls: type) -> tuple[str, ...]:
+def _positional(cls: Any) -> tuple[str, ...]:
     """The names a class's ``forward`` takes positionally, after ``self``."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -269,7 +269,7 @@ def _loss_override(model: nn.Module) -> Callable[[], Callable[[], None]]:
 
     def apply() -> Callable[[], None]:
         own = type(model).forward.__get__(model)
-        model._kpt_positional = _positional(type(model))
+        setattr(model, "_kpt_positional", _positional(type(model)))  # noqa: B010 (not a Module attribute)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return _loss_forward(model, *args, **kwargs)
