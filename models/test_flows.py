@@ -11,6 +11,7 @@ tolerance, not float64's.
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,35 @@ def test_the_compiled_model_trains_and_infers_with_no_graph_break(family: str) -
     assert explained.graph_break_count == 0, explained.break_reasons
     compiled = torch.compile(patched, fullgraph=True)
     agree(hf, compiled, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
+
+
+def test_a_compiled_model_gives_its_attention_no_mask_for_an_unpadded_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers (5.17 always, newer releases under torch < 2.14) builds the whole causal mask
+    while compiling; a patched model runs under kpt's mask function (`kpt.patch.IMPLEMENTATION`),
+    which gives none, so the kernel's unmasked causal path runs. A padded batch still brings its mask, and both agree with transformers."""
+    patch_module = sys.modules["kpt.patch"]
+    given, kernel_mask = [], patch_module._kernel_mask
+
+    def spy(*args: object) -> object:
+        causal, mask, k, v = kernel_mask(*args)
+        given.append(mask is not None)
+        return causal, mask, k, v
+
+    monkeypatch.setattr(patch_module, "_kernel_mask", spy)
+    # what torch < 2.14 does while compiling (torch.compiler.is_exporting() a constant True there);
+    # transformers 5.17 never skips the mask while compiling, on any torch
+    monkeypatch.setattr(transformers.masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling,
+                        raising=False)
+    hf, patched = pair("llama")
+    compiled = torch.compile(patched, fullgraph=True)
+    tokens, mask, labels = padded_batch("left")
+    agree(hf, compiled, torch.ones_like(tokens, dtype=torch.bool), input_ids=tokens, labels=tokens)
+    assert given and not any(given), "an unpadded batch's attention was given a mask"
+    given.clear()
+    agree(hf, compiled, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
+    assert given and all(given), "a padded batch's attention was given no mask"
+    kpt.unpatch(patched)
+    assert patched.config._attn_implementation == "sdpa"
 
 
 def test_dynamic_compile_over_many_lengths_recompiles_a_handful_of_times() -> None:

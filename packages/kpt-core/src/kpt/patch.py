@@ -122,6 +122,54 @@ def _attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tu
     return knn.project_heads(self.o_proj, out), None
 
 
+IMPLEMENTATION = "kpt"
+"""The ``attn_implementation`` name a patched model runs under: transformers' ``sdpa`` attention and
+masks (`_mask`), registered with its ``AttentionInterface`` and ``AttentionMaskInterface``."""
+
+
+def _mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """transformers' ``sdpa_mask`` (the masks an ``sdpa`` attention gets), except that a plain causal
+    mask is ``None`` under ``torch.compile`` too. transformers builds no mask when no key is padded,
+    there is no window to apply and the queries are all the keys or one; below torch 2.14 it cannot
+    tell while compiling (``torch.compiler.is_exporting()`` is a constant ``True`` there) and builds
+    the whole causal mask, which a kernel must then read. The same test needs no value here: no
+    padding mask at all (``attention_mask is None``), an integer query offset (not a static cache's
+    tensor), no window the keys reach and ``q_length`` one or ``kv_length``. ``None`` is exact for kpt's
+    attention, whose causal mask is aligned bottom-right (and for transformers' ``sdpa`` on layers
+    left unpatched: equal lengths, or one query)."""
+    from transformers.masking_utils import sdpa_mask
+
+    named = dict(zip(("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function",
+                      "attention_mask", "local_size", "allow_is_causal_skip"), args))
+    named.update(kwargs)
+    q_length, kv_length, window = named.get("q_length"), named.get("kv_length"), named.get("local_size")
+    if (named.get("allow_is_causal_skip", True) and named.get("attention_mask") is None
+            and not isinstance(named.get("q_offset", 0), Tensor) and (window is None or kv_length < window)
+            and (q_length == 1 or q_length == kv_length)):
+        return None
+    return sdpa_mask(**named)
+
+
+def _implementation(model: Any) -> Callable[[], Callable[[], None]]:
+    """Run ``model`` under `IMPLEMENTATION` (registered with transformers once), back to its own on undo."""
+
+    def apply() -> Callable[[], None]:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        AttentionInterface.register(IMPLEMENTATION, sdpa_attention_forward)
+        AttentionMaskInterface.register(IMPLEMENTATION, _mask)
+        own = model.config._attn_implementation
+        model.config._attn_implementation = IMPLEMENTATION
+
+        def undo() -> None:
+            model.config._attn_implementation = own
+
+        return undo
+
+    return apply
+
+
 MASKS_TAKEN = ("causal", "key padding (left or right)", "packed documents", "sliding window", "static cache",
                "any boolean mask within the causal one")
 """What a patched attention takes: the masks transformers builds for ``sdpa`` (`PatchSummary` says so)."""
@@ -296,6 +344,7 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
             f"families {', '.join(SUPPORTED)}. Nothing was changed.")
     plan = _Plan(PatchSummary(model_type))
     unit_offset = model_type in UNIT_OFFSET_NORMS
+    attends = False
     for name, module in model.named_modules():
         parent_name, _, attr = name.rpartition(".")
         parent: Any = model.get_submodule(parent_name) if name else None
@@ -322,6 +371,7 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
             else:
                 plan.swap(f"{kind}: rotary + attention on kpt (rope, attention; masks: {', '.join(MASKS_TAKEN)})",
                           _override(module, _attention_forward))
+                attends = True
         elif kind.endswith("TopKRouter"):
             plan.swap(f"{kind}: moe_gating", _override(module, _router_forward))
         elif kind.endswith("Experts") and hasattr(module, "gate_up_proj"):
@@ -330,6 +380,9 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
                           _override(module, _experts_forward))
             else:
                 plan.leave(kind, f"activation {type(module.act_fn).__name__} has no fused gated kernel")
+    if attends:
+        plan.swap(f"attn_implementation {config._attn_implementation!r} -> {IMPLEMENTATION!r} (its masks; plain causal "
+                  "as no mask under torch.compile too)", _implementation(model))
     if hasattr(model, "lm_head") and hasattr(model, "model"):
         why = _loss_unsupported(config, loss)
         if why:
