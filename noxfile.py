@@ -427,5 +427,5 @@ def bench(session: nox.Session, backend: str) -> None:
     among the sessions a plain ``nox`` runs on a machine without one)."""
     _, packages, extra, _ = next(p for p in PROFILES.values() if p[0] == backend)
     _install(session, *packages, extra=extra)
-    session.run("python", "-m", "kpt.benchmark", "--backend", backend, "--out", f"reports/bench-{backend}",
+    session.run("python", "-m", "kpt.bench", "--backend", backend, "--out", f"reports/bench-{backend}",
                 *session.posargs)

@@ -2,7 +2,7 @@
 
     python3 scripts/device_time.py --backend cuda [rms_norm,softmax,...]
 
-For each kernel of the models sweep (`kpt.sweeps.models_sweep`) at one token, forward and
+For each kernel of the models sweep (`kpt.bench.sweeps.models_sweep`) at one token, forward and
 forward+backward, it prints the sum of the kernels' durations per call in the torch profiler for
 kpt, torch eager, torch.compile and the libraries present, and the ratio of the best peer to kpt.
 A one-token call is host-bound: its benchmark time (`kpt bench`) mixes in the host's share, which
@@ -19,8 +19,9 @@ import torch
 from host_overhead import device_us  # this directory's: run as python3 scripts/device_time.py
 
 import kpt
-from kpt.benchmark import _prepare, _runner, eager_call, libraries
-from kpt.sweeps import models_sweep
+from kpt.bench.measure import draw_inputs, make_runner
+from kpt.bench.peers import eager_call, libraries
+from kpt.bench.sweeps import models_sweep
 
 
 def implementations(be: kpt.Backend, spec: kpt.KernelSpec) -> dict[str, Callable[..., Any]]:
@@ -48,13 +49,13 @@ def main() -> None:
         if " T=1 " not in point.case.name + " " or (only and point.kernel not in only):
             continue
         spec = kpt.SPECS[point.kernel]
-        args = _prepare(spec, point.case, torch.bfloat16, be.device(), 0)
+        args = draw_inputs(spec, point.case, torch.bfloat16, be.device(), 0)
         impls = implementations(be, spec)
         for mode in point.modes:
             res = {}
             for name, fn in impls.items():
                 try:
-                    res[name] = device_us(_runner(fn, spec, args, mode), calls=30)
+                    res[name] = device_us(make_runner(fn, spec, args, mode), calls=30)
                 except Exception as exc:  # a library that cannot take this shape: left out, with why
                     res[name] = float("nan")
                     print(f"<!-- {point.kernel} {name}: {type(exc).__name__}: {str(exc)[:100]} -->")

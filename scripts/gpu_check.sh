@@ -20,7 +20,7 @@ for stage in $stages; do
     numerics) kpt check --backend cuda --xfails conformance/xfails --report "$out/numerics" -- -q -k "not test_speed" \
                 2>&1 | tail -n 40 ;;
     perf) kpt check --backend cuda --report "$out/perf" -- -q -rs -k test_speed 2>&1 | tail -n 40 ;;
-    bench) python3 -m kpt.benchmark --backend cuda --out "$out/bench" 2>&1 | tail -n 60 ;;
+    bench) python3 -m kpt.bench --backend cuda --out "$out/bench" 2>&1 | tail -n 60 ;;
     memcheck) compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/every_kernel.py --backend cuda \
                 2>&1 | tail -n 30 | tee "$out/memcheck.txt" ;;
     sanitizers) for tool in racecheck synccheck initcheck; do

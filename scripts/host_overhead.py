@@ -3,7 +3,7 @@
     python3 scripts/host_overhead.py --backend cuda rms_norm softmax moe_gating ...
 
 For each kernel's perf case in bfloat16, forward and forward+backward, it prints three numbers:
-the `kpt.benchmark` time (device events, the docs/performance.md method), the host time of one call (wall
+the `kpt.bench` time (device events, the docs/performance.md method), the host time of one call (wall
 clock of back-to-back calls, nothing synchronized inside) and the device time of one call (the
 sum of its kernels' durations in the torch profiler). A benchmark time near the host time and far
 above the device time means the host, not the kernel, is the bottleneck.
@@ -18,7 +18,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kpt
-from kpt.benchmark import MODES, _prepare, _runner, host_us, time_ms
+from kpt.bench.host import host_us
+from kpt.bench.measure import draw_inputs, make_runner
+from kpt.bench.sweeps import MODES
+from kpt.bench.timing import time_ms
 
 
 def device_us(run, calls: int = 20) -> float:
@@ -42,9 +45,9 @@ def main() -> None:
     for name in opts.kernels:
         spec = kpt.SPECS[name]
         case = next(c for c in spec.cases() if c.perf)
-        args = _prepare(spec, case, torch.bfloat16, backend.device(), seed=0)
+        args = draw_inputs(spec, case, torch.bfloat16, backend.device(), seed=0)
         for mode in MODES if spec.differentiable else MODES[:1]:
-            run = _runner(functools.partial(backend.call, name), spec, args, mode)
+            run = make_runner(functools.partial(backend.call, name), spec, args, mode)
             ms = time_ms(run, backend.device())
             print(f"| {name} | {mode} | {ms:.4f} | {host_us(run):.1f} | {device_us(run):.1f} |", flush=True)
         torch.cuda.empty_cache()

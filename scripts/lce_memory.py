@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kpt
-from kpt.benchmark import time_ms
+from kpt.bench.timing import time_ms
 
 
 def main() -> None:

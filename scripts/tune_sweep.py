@@ -19,7 +19,7 @@ import sys
 import torch
 
 import kpt
-from kpt.benchmark import time_ms
+from kpt.bench.timing import time_ms
 from kpt.ops import as_tuple
 from kpt.testing import to_device
 from kpt_cuda import device

@@ -91,13 +91,13 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from .benchmark import add_arguments
+    from .bench.command import add_arguments
 
     add_arguments(parser)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmark import run
+    from .bench.command import run
 
     return run(args)
 

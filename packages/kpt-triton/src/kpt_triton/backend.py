@@ -155,7 +155,7 @@ class TritonBackend(kpt.Backend):
         """The conformance suite's speed bar (docs/performance.md shapes, bf16): memory-bound kernels at least
         2x torch eager and, forward, 60% of the copy bandwidth; GEMM-backed products 80% of the
         bf16 matmul rate; every other kernel at least as fast as torch eager. The docs/performance.md targets
-        themselves are tracked by the benchmark (`python -m kpt.benchmark`), not by these bars."""
+        themselves are tracked by the benchmark (`python -m kpt.bench`), not by these bars."""
         if kernel in SAME_WORK_AS_EAGER:
             return kpt.PerfBar(min_ceiling_fraction=0.8)
         if kernel in MEMORY_BOUND:

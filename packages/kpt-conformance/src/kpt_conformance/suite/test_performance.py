@@ -3,7 +3,7 @@
 Each backend declares its bar per kernel and mode (`kpt.Backend.perf_bar`): a speedup over eager
 and/or a fraction of the copy bandwidth / matmul rate measured in this same run. Only timing on a
 real device gates. (The side-by-side with torch.compile and the best library is the benchmark's
-job: ``python -m kpt.benchmark``.) Kernels without a bar, and backends without a real device (CPU
+job: ``python -m kpt.bench``.) Kernels without a bar, and backends without a real device (CPU
 tensors: the reference backend, Triton's interpreter), are skipped with the reason, which the
 report gives as "speed not checked". A simulator's CPU timing (``PerfBar(cases="conformance")``)
 is measured in the mode it names against the reference backend and reported, without gating.
@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import kpt
-from kpt.benchmark import MODES, Ceilings, measure, perf_cases
+from kpt.bench.measure import measure, perf_cases
+from kpt.bench.sweeps import MODES
+from kpt.bench.timing import Ceilings
 from kpt.ops import as_tuple
 
 MIN_ROUNDS, MAX_ROUNDS = 5, 25

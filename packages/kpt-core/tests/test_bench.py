@@ -1,4 +1,4 @@
-"""The benchmark's CPU-testable parts: `kpt bench`'s options and its refusal without a GPU, the
+"""kpt.bench's CPU-testable parts: `kpt bench`'s options and its refusal without a GPU, the
 sweeps' shapes (valid contract inputs, the models and cases the sweeps promise), the peers'
 wrappers against the reference math, the report and the roofline picture of a recorded run."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kpt
-from kpt import benchmark, sweeps
+from kpt.bench import host, measure, peers, report, roofline, sweeps, timing
 from kpt.cli import main, parser
 from kpt.kernels.attention import attention_forward
 from kpt.kernels.moe import grouped_linear_forward
@@ -59,7 +59,7 @@ def test_bench_on_a_cpu_backend_says_it_needs_a_gpu(monkeypatch: pytest.MonkeyPa
 
 def test_graph_timing_needs_a_cuda_device() -> None:
     with pytest.raises(ValueError, match="CUDA-graph timing needs a CUDA device"):
-        benchmark.time_ms(lambda: None, torch.device("cpu"), graphs=True)
+        timing.time_ms(lambda: None, torch.device("cpu"), graphs=True)
 
 
 def test_bench_rejects_unknown_kernels() -> None:
@@ -160,7 +160,7 @@ def test_sdpa_peer_takes_the_contract_causal_alignment(sq: int, skv: int, causal
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, sq, 16, generator=g)
     k, v = torch.randn(2, 2, skv, 16, generator=g), torch.randn(2, 2, skv, 16, generator=g)
-    got = benchmark._sdpa(q, k, v, causal, None)
+    got = peers._sdpa(q, k, v, causal, None)
     expected = attention_forward(q.double(), k.double(), v.double(), causal, 16 ** -0.5, None)[0]
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -170,18 +170,18 @@ def test_grouped_loop_peer_matches_the_contract() -> None:
     x, w = torch.randn(10, 8, generator=g), torch.randn(3, 5, 8, generator=g)
     offsets = torch.tensor([1, 4, 4, 9], dtype=torch.int32)  # a row before the first expert, one after the last
     expected = grouped_linear_forward(x.double(), offsets, w.double())[0]
-    torch.testing.assert_close(benchmark._grouped_loop(x, offsets, w).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(peers._grouped_loop(x, offsets, w).double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_liger_missing_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import fails as when not installed
-    assert benchmark.libraries("rms_norm") == ({}, "n/a: Liger not installed")
-    assert benchmark.libraries("moe_gating") == ({}, "")
-    assert set(benchmark.libraries("attention")[0]) == {"SDPA cuDNN", "SDPA flash", "SDPA efficient"}
+    assert peers.libraries("rms_norm") == ({}, "n/a: Liger not installed")
+    assert peers.libraries("moe_gating") == ({}, "")
+    assert set(peers.libraries("attention")[0]) == {"SDPA cuDNN", "SDPA flash", "SDPA efficient"}
 
 
-def _measurement(kernel: str, case: str, mode: str, **ms: float) -> benchmark.Measurement:
-    return benchmark.Measurement(kernel, case, "bfloat16", mode, ms=ms)
+def _measurement(kernel: str, case: str, mode: str, **ms: float) -> measure.Measurement:
+    return measure.Measurement(kernel, case, "bfloat16", mode, ms=ms)
 
 
 def test_report_gives_each_kernels_worst_ratio_against_its_best_peer() -> None:
@@ -189,7 +189,7 @@ def test_report_gives_each_kernels_worst_ratio_against_its_best_peer() -> None:
         _measurement("rms_norm", "a", "fwd", backend=1.0, eager=4.0, compile=2.0),
         _measurement("rms_norm", "b", "fwd+bwd", backend=2.0, eager=3.0, compile=2.5),
         _measurement("rms_norm", "c", "fwd", backend=1.0, eager=1.5, compile=3.0),
-        benchmark.Measurement("rms_norm", "d", "bfloat16", "fwd", wrong="y: max error 1"),
+        measure.Measurement("rms_norm", "d", "bfloat16", "fwd", wrong="y: max error 1"),
         _measurement("attention", "e", "fwd", backend=2.0, library=1.0),
     ]
     results[0].library = "n/a: Liger not installed"
@@ -197,13 +197,13 @@ def test_report_gives_each_kernels_worst_ratio_against_its_best_peer() -> None:
     results[4].errors = {"SDPA efficient": "RuntimeError: No available kernel."}
     results[1].spread = {"backend": 0.031, "eager": 0.0, "compile": 0.012}
     results[4].spread = {"backend": 0.02, "SDPA cuDNN": 0.05, "SDPA flash": 0.0}
-    summary = benchmark.worst(results)
+    summary = report.worst(results)
     assert summary["rms_norm"] | {"seconds": 0} == {"timings": 4, "wrong": 1, "ratio": 1.25, "case": "b",
                                                     "mode": "fwd+bwd", "peer": "compile", "spread": (0.031, 0.012),
                                                     "seconds": 0}
     assert summary["attention"]["ratio"] == 0.5 and summary["attention"]["peer"] == "SDPA cuDNN"
     assert summary["attention"]["spread"] == (0.02, 0.05)  # the best library's own spread
-    text = benchmark.markdown(results, {"torch": "x"}, benchmark.Ceilings(3000.0, 700.0), title="T")
+    text = report.markdown(results, {"torch": "x"}, timing.Ceilings(3000.0, 700.0), title="T")
     assert "| rms_norm | 4 | 1 | 0 | 1.25 | b | fwd+bwd | compile | 3.1% / 1.2% |" in text
     assert "| attention | 1 | 0 | 0 | 0.50 | e | fwd | SDPA cuDNN | 2.0% / 5.0% |" in text
     assert ("| rms_norm | a | bfloat16 | fwd | 1.0000 | 4.0000 | 2.0000 | n/a: Liger not installed "
@@ -216,8 +216,8 @@ def test_measure_times_backend_and_eager_on_the_cpu() -> None:
     from kpt.kernels.rms_norm import _make
 
     small = sweeps.point("rms_norm", "small", _make, shape=(64, 256))
-    results, costs = benchmark.run_sweep(kpt.get_backend("reference"), [small], torch.float32,
-                                         benchmark.Ceilings(100.0, 1.0), no_compile=True, host=False, quiet=True)
+    results, costs = sweeps.run_sweep(kpt.get_backend("reference"), [small], torch.float32,
+                                         timing.Ceilings(100.0, 1.0), no_compile=True, host=False, quiet=True)
     assert [r.mode for r in results] == ["fwd", "fwd+bwd"] and costs == []
     for r in results:
         assert not r.wrong and set(r.ms) == {"backend", "eager"} and r.seconds > 0
@@ -230,16 +230,14 @@ def test_a_failing_shape_is_recorded_and_the_sweep_goes_on() -> None:
 
     bad = sweeps.point("rms_norm", "bad", _make, shape=(4, 8), unknown=1)
     good = sweeps.point("rms_norm", "good", _make, shape=(4, 8))
-    results, _ = benchmark.run_sweep(kpt.get_backend("reference"), [bad, good], torch.float32,
-                                     benchmark.Ceilings(100.0, 1.0), no_compile=True, host=False, quiet=True)
+    results, _ = sweeps.run_sweep(kpt.get_backend("reference"), [bad, good], torch.float32,
+                                     timing.Ceilings(100.0, 1.0), no_compile=True, host=False, quiet=True)
     assert [bool(r.wrong) for r in results] == [True, True, False, False]
     assert "unexpected keyword argument 'unknown'" in results[0].wrong
 
 
 def test_roofline_from_a_recorded_run(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the roofline plot needs matplotlib (kpt-core[bench])")
-    from kpt import roofline
-
     report = json.loads(FIXTURE.read_text())
     pts = roofline.points(report)
     assert set(pts) == {r["kernel"] for r in report["results"]}
@@ -256,13 +254,13 @@ def test_points_past_the_time_limit_are_recorded_as_skipped() -> None:
     from kpt.kernels.rms_norm import _make
 
     points = [sweeps.point("rms_norm", "a", _make, shape=(4, 8)), sweeps.point("rms_norm", "b", _make, shape=(4, 8))]
-    results, _ = benchmark.run_sweep(kpt.get_backend("reference"), points, torch.float32,
-                                     benchmark.Ceilings(100.0, 1.0), no_compile=True, host=False, quiet=True,
+    results, _ = sweeps.run_sweep(kpt.get_backend("reference"), points, torch.float32,
+                                     timing.Ceilings(100.0, 1.0), no_compile=True, host=False, quiet=True,
                                      time_limit=1e-9)
     assert len(results) == 4 and all(r.skipped and not r.ms for r in results)
-    assert benchmark.worst(results)["rms_norm"]["skipped"] == 4
-    assert "| rms_norm | a | float32 | fwd | SKIPPED: the time limit of 0 s was reached |" in benchmark.markdown(
-        results, {}, benchmark.Ceilings(100.0, 1.0))
+    assert report.worst(results)["rms_norm"]["skipped"] == 4
+    assert "| rms_norm | a | float32 | fwd | SKIPPED: the time limit of 0 s was reached |" in report.markdown(
+        results, {}, timing.Ceilings(100.0, 1.0))
 
 
 def test_host_cost_times_small_calls_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,8 +268,8 @@ def test_host_cost_times_small_calls_only(monkeypatch: pytest.MonkeyPatch) -> No
 
     spec, backend = kpt.SPECS["rms_norm"], kpt.get_backend("reference")
     args = _make(torch.Generator().manual_seed(0), torch.float32, shape=(1, 4096))
-    cost = benchmark.host_cost(backend, spec, args, "1×4096")
+    cost = host.host_cost(backend, spec, args, "1×4096")
     assert set(cost.us) == {"backend", "eager"} and all(us > 0 for us in cost.us.values())
-    monkeypatch.setattr(benchmark, "SMALL_CALL_S", 0.0)
-    cost = benchmark.host_cost(backend, spec, args, "1×4096")
+    monkeypatch.setattr(host, "SMALL_CALL_S", 0.0)
+    cost = host.host_cost(backend, spec, args, "1×4096")
     assert not cost.us and cost.errors["backend"].startswith("not a small call")

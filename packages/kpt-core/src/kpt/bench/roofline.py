@@ -1,8 +1,8 @@
 """The roofline picture of a benchmark run: achieved FLOP/s and bytes/s of every kernel against
 the ceilings measured in the same run.
 
-    kpt bench --backend cuda --sweep models --plot                 # measure, then draw
-    python -m kpt.roofline reports/bench/bench.json roofline.png    # draw a recorded run again
+    kpt bench --backend cuda --sweep models --plot                       # measure, then draw
+    python -m kpt.bench.roofline reports/bench/bench.json roofline.png    # draw a recorded run again
 
 Left: each timing as a point at its arithmetic intensity (FLOPs per byte of the cost model) and
 achieved TFLOP/s, under the roof min(matmul rate, intensity × copy bandwidth). Right: each
@@ -81,8 +81,8 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kpt.roofline", description=__doc__.split("\n\n")[0])
-    parser.add_argument("report", help="a bench.json written by kpt bench / python -m kpt.benchmark")
+    parser = argparse.ArgumentParser(prog="python -m kpt.bench.roofline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("report", help="a bench.json written by kpt bench / python -m kpt.bench")
     parser.add_argument("out", nargs="?", default=None, help="the PNG (default: roofline.png beside the report)")
     opts = parser.parse_args(argv)
     report = json.loads(Path(opts.report).read_text())

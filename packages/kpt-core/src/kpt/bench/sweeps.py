@@ -1,8 +1,9 @@
-"""The shapes `kpt.benchmark` sweeps: real models' sizes, attention, linear products.
+"""The sweeps of kpt.bench (real models' sizes, attention, linear products) and `run_sweep`, which
+measures one.
 
 A sweep is a list of `Point`s: a kernel, a `Case` whose ``make`` draws the inputs (the kernels'
 own input builders, so every input is what the contract expects) and the modes to time.
-`kpt.benchmark` draws the inputs on the device itself, so the sizes here are bounded by what eager
+`run_sweep` draws the inputs on the device itself, so the sizes here are bounded by what eager
 PyTorch (the reference math in float32) needs on an 80 GB GPU, not by host memory.
 
 * ``perf``: each kernel's perf shape (its ``perf`` cases; docs/performance.md).
@@ -22,24 +23,32 @@ PyTorch (the reference math in float32) needs on an 80 GB GPU, not by host memor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from .kernels import SPECS
-from .kernels.activations import _make_gated, _make_x
-from .kernels.attention import _make as _make_attention
-from .kernels.cross_entropy import _make_ce, _make_lce
-from .kernels.fp8 import _make_dequantize, _make_fp8_linear, _make_quantize
-from .kernels.layer_norm import _make as _make_layer_norm
-from .kernels.linear import _make as _make_linear
-from .kernels.moe import _make_combine, _make_dispatch, _make_gating, _make_grouped
-from .kernels.rms_norm import _make as _make_rms_norm
-from .kernels.rope import _make as _make_rope
-from .kernels.softmax import _make as _make_softmax
-from .spec import Args, Case
+from ..backend import Backend
+from ..kernels import SPECS
+from ..kernels.activations import _make_gated, _make_x
+from ..kernels.attention import _make as _make_attention
+from ..kernels.cross_entropy import _make_ce, _make_lce
+from ..kernels.fp8 import _make_dequantize, _make_fp8_linear, _make_quantize
+from ..kernels.layer_norm import _make as _make_layer_norm
+from ..kernels.linear import _make as _make_linear
+from ..kernels.moe import _make_combine, _make_dispatch, _make_gating, _make_grouped
+from ..kernels.rms_norm import _make as _make_rms_norm
+from ..kernels.rope import _make as _make_rope
+from ..kernels.softmax import _make as _make_softmax
+from ..spec import Args, Case
+from ..spec import nbytes as nbytes_of
+from .host import HostCost, host_cost
+from .measure import Measurement, draw_inputs, error_line, measure_args
+from .peers import forget_compiled
+from .report import row
+from .timing import Ceilings
 
 MODES = ("fwd", "fwd+bwd")
 FWD = MODES[:1]
@@ -283,3 +292,94 @@ def sweep(names: Iterable[str], kernels: Iterable[str] | None = None) -> list[Po
 def measurements(points: Iterable[Point]) -> int:
     """How many (shape, mode) timings ``points`` hold."""
     return sum(len(p.modes) for p in points)
+
+
+def _progress(items: list[Point], quiet: bool) -> Iterator[tuple[Point, Callable[[str], None]]]:
+    """Each item with a print function: under a rich progress bar when rich is installed."""
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        for item in items:
+            yield item, (lambda line: None) if quiet else (lambda line: print(line, flush=True))
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task("kpt bench", total=len(items))
+        for item in items:
+            bar.update(task, description=f"{item.kernel} {item.case.name}"[:60])
+            yield item, (lambda line: None) if quiet else (lambda line: print(line, flush=True))
+            bar.advance(task)
+
+
+def _by_kernel(points: list[Point]) -> list[Point]:
+    """``points`` grouped by kernel (in order of first appearance), so compiled code is reset once
+    per kernel."""
+    order = {k: i for i, k in reversed(list(enumerate(p.kernel for p in points)))}
+    return sorted(points, key=lambda p: order[p.kernel])
+
+
+def _args_bytes(args: dict[str, Any]) -> int:
+    """The bytes of the tensors among ``args``."""
+    return nbytes_of(*(v for v in args.values() if isinstance(v, torch.Tensor)))
+
+
+def run_sweep(backend: Backend, points: list[Point], dtype: torch.dtype, ceilings: Ceilings, *,
+              no_compile: bool = False, warmup: float = 5, rep: float = 25, host: bool = True,
+              quiet: bool = False, time_limit: float | None = None,
+              graphs: bool = False) -> tuple[list[Measurement], list[HostCost]]:
+    """Measure every point of a sweep in every mode (``graphs``: replayed from CUDA graphs, see
+    `time_ms`); then the host cost of each kernel's smallest point. A failure (wrong result, error,
+    out of memory) is recorded at its point, and the sweep goes on. Points not started within
+    ``time_limit`` seconds are recorded as skipped."""
+    device = backend.device()
+    results: list[Measurement] = []
+    smallest: dict[str, tuple[int, str, dict[str, Any]]] = {}
+    last_kernel = None
+    deadline = time.perf_counter() + time_limit if time_limit else None
+    for p, say in _progress(_by_kernel(points), quiet):
+        spec = SPECS[p.kernel]
+        dt = p.dtype or dtype
+        if deadline is not None and time.perf_counter() > deadline:
+            for mode in p.modes:
+                results.append(Measurement(p.kernel, p.case.name, str(dt).removeprefix("torch."), mode, sweep=p.sweep,
+                                           skipped=f"the time limit of {time_limit:.0f} s was reached"))
+            continue
+        if p.kernel != last_kernel:
+            torch._dynamo.reset()
+            forget_compiled(f"eager {last_kernel}")
+            last_kernel = p.kernel
+        peers = tuple(x for x in p.peers if not (no_compile and x == "compile"))
+        try:
+            args = draw_inputs(spec, p.case, dt, device, seed=len(results))
+        except Exception as exc:
+            args = None
+            failure = error_line(exc)
+        for mode in p.modes:
+            if args is None:
+                r = Measurement(p.kernel, p.case.name, str(dt).removeprefix("torch."), mode, wrong=failure)
+            else:
+                started = time.perf_counter()
+                try:
+                    r = measure_args(backend, spec, args, p.case.name, dt, mode, ceilings, peers, warmup, rep,
+                                     compile_once=True, graphs=graphs)
+                except Exception as exc:  # one shape's failure must not hide the others' numbers
+                    r = Measurement(p.kernel, p.case.name, str(dt).removeprefix("torch."), mode,
+                                    wrong=error_line(exc))
+                r.seconds = time.perf_counter() - started
+            r.sweep = p.sweep
+            results.append(r)
+            say(f"{row(r)} {r.seconds:.1f} s")
+        if args is not None and host:
+            size = _args_bytes(args)
+            if p.kernel not in smallest or size < smallest[p.kernel][0]:
+                smallest[p.kernel] = (size, p.case.name, args)
+        del args
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    costs = []
+    for kernel, (_, label, args) in smallest.items():
+        try:
+            costs.append(host_cost(backend, SPECS[kernel], args, label))
+        except Exception as exc:
+            costs.append(HostCost(kernel, label, errors={"backend": error_line(exc)}))
+    return results, costs
