@@ -67,6 +67,21 @@ def test_environment_selects_the_configuration(monkeypatch) -> None:
     assert (config.format, config.device.name, config.clock_mhz) == (FIXED, "u280", 250.0)
 
 
+def test_unsigned_data_from_a_qkeras_quantizer(monkeypatch) -> None:
+    # every value of the design in quantized_relu(10, 3) = ap_ufixed<10,3,AP_RND_CONV,AP_SAT>: the
+    # negative inputs and weights saturate to 0, the product is exact, the result rounded once
+    monkeypatch.setenv("KPT_FPGA_SIM_FORMAT", "quantized_relu(10, 3)")
+    be = kpt_fpga_sim.configure(format=from_environment().format)
+    fmt = be.config.format
+    assert str(fmt) == "ap_ufixed<10,3,AP_RND_CONV,AP_SAT>"
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 24, generator=g) * 2, torch.randn(7, 24, generator=g), torch.randn(7, generator=g)
+    want = fmt.quantize(torch.relu(fmt.quantize(x) @ fmt.quantize(w).T + fmt.quantize(b)))
+    assert torch.equal(be.linear(x, w, b, "relu").double(), want)
+    with pytest.raises(ValueError, match="wider than 24 bits"):
+        configure(be, format="ap_ufixed<24,8>")
+
+
 @pytest.mark.parametrize("variable, value, message", [
     ("KPT_FPGA_SIM_FORMAT", "ap_fixd<16,6>", "number format"),
     ("KPT_FPGA_SIM_DEVICE", "u999", "u999"),

@@ -11,7 +11,7 @@ import torch
 from kpt_fpga_sim import configure, csim
 from kpt_fpga_sim.arith import FixedArith
 from kpt_fpga_sim.fixed import Fx
-from kpt_fpga_sim.formats import O_MODES, Q_MODES, ap_fixed
+from kpt_fpga_sim.formats import O_MODES, Q_MODES, ap_fixed, ap_ufixed, parse_format
 
 pytestmark = pytest.mark.slow  # each test compiles C++ with g++ (10 to 30 s on one core)
 
@@ -40,6 +40,11 @@ def test_quantization_and_overflow_modes() -> None:
     # every mode pair, with widths and integer bits varying too
     shapes = itertools.cycle([(8, 3), (12, 5), (6, -1), (20, 12)])
     formats = [ap_fixed(w, i, q, o) for (q, o), (w, i) in zip(itertools.product(Q_MODES, O_MODES), shapes)]
+    # ap_ufixed in every mode the headers accept for it (all but WRAP_SM), QKeras' quantizers
+    unsigned = [o for o in O_MODES if o != "WRAP_SM"]
+    formats += [ap_ufixed(w, i, q, o) for (q, o), (w, i) in zip(itertools.product(Q_MODES, unsigned), shapes)]
+    formats += [parse_format(t) for t in ("quantized_bits(6, 0, keep_negative=0)", "quantized_bits(8, 3)",
+                                          "quantized_relu(4, 2)")]
     got = _run(csim.quantize_source(formats, x)).reshape(len(formats), -1)
     for fmt, row in zip(formats, got):
         assert torch.equal(row, fmt.quantize(x)), str(fmt)

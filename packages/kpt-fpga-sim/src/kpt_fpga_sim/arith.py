@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -101,7 +102,7 @@ class FixedArith:
         fmt = fmt or self.format
         raw, over = fmt.from_float(t)
         self._count(name, over)
-        return Fx(raw, fmt.w, fmt.i)
+        return Fx(raw, *fmt.container)
 
     def load_scale(self, t: Tensor) -> Fx:
         """A saved float32 ``rstd`` read back as a pseudo-float with the rsqrt unit's mantissa
@@ -130,7 +131,7 @@ class FixedArith:
         loss) or of a dot product of unit-scale data (which grows like √n)."""
         fmt = fmt or self.format
         g = bits_for(n)
-        return ApFixed(fmt.w + g, fmt.i + g, fmt.q, fmt.o)
+        return replace(fmt, w=fmt.w + g, i=fmt.i + g)
 
     def cast(self, v: Fx, name: str = "", fmt: ApFixed | None = None) -> Fx:
         """Assign ``v`` to a declared type (default: the data format), counting overflows."""
@@ -138,7 +139,7 @@ class FixedArith:
         shift = v.f - fmt.f if v.shift is None else v.f - fmt.f - v.shift
         raw, over = fmt.requantize(v.raw, shift)
         self._count(name, over)
-        return Fx(raw, fmt.w, fmt.i)
+        return Fx(raw, *fmt.container)
 
     def out(self, v: Fx, dtype: torch.dtype) -> Tensor:
         if dtype == torch.float32 and v.w <= 24 and v.shift is None:

@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmp.add_argument("--case", default="perf", help="conformance case whose shapes to use (default: perf)")
     cmp.add_argument("--shape", help="M,N,K for linear / fp8_linear")
     cmp.add_argument("--dtype", default="float32", help="activation dtype (default float32)")
-    cmp.add_argument("--format", help='number format: float32 (default) or "ap_fixed<W,I[,Q[,O]]>"')
+    cmp.add_argument("--format", help='number format: float32 (default), "ap_fixed<W,I[,Q[,O]]>", '
+                     '"ap_ufixed<W,I[,Q[,O]]>" or a QKeras quantizer, "quantized_bits(8,3)"')
     cmp.add_argument("--device", help="u250 (default), u280, u50, vu9p, vu13p, ku115, zynq7020 or a part name")
     cmp.add_argument("--clock", type=float, help="clock in MHz (default: the device's)")
     cmp.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -132,7 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "writes a small one to try.")
     add_model_arguments(est)
     est.add_argument("--input-shape", required=True, help="the example input's shape, batch 1 (e.g. 1,16)")
-    est.add_argument("--format", default="ap_fixed<16,6>", help='every value\'s type (default "ap_fixed<16,6>")')
+    est.add_argument("--format", default="ap_fixed<16,6>",
+                     help='every value\'s type (default "ap_fixed<16,6>"; also ap_ufixed<W,I[,Q[,O]]>, '
+                          'quantized_bits(bits,integer[,keep_negative]), quantized_relu(bits,integer))')
     est.add_argument("--device", default="u250", help="device profile or part name (default u250)")
     est.add_argument("--clock", type=float, default=200.0, help="clock in MHz (default 200)")
     est.add_argument("--reuse", type=int, default=1, help="reuse factor (default 1)")

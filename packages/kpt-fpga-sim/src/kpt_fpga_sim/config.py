@@ -115,8 +115,9 @@ def make_config(base: SimConfig, *, format: Format | str | None = None, device: 
     if operators is not None:
         changes["operators"] = tuple(sorted({**dict(base.operators), **operators}.items()))
     config = replace(base, **changes)
-    if isinstance(config.format, ApFixed) and config.format.w > MAX_DATA_BITS:
-        raise ValueError(f"fixed-point data format {config.format} is wider than {MAX_DATA_BITS} bits: "
+    if isinstance(config.format, ApFixed) and config.format.container[0] > MAX_DATA_BITS:
+        raise ValueError(f"fixed-point data format {config.format} is wider than {MAX_DATA_BITS} bits "
+                         "(an unsigned one counts a bit more, its sign in signed arithmetic): "
                          "products and their sums must stay within 64-bit accumulators")
     return config
 

@@ -1,4 +1,5 @@
-"""Number formats of the simulator: IEEE ``float32``, ``ap_fixed<W,I,Q,O>`` and FP8 minifloats.
+"""Number formats of the simulator: IEEE ``float32``, ``ap_fixed<W,I,Q,O>``, ``ap_ufixed<W,I,Q,O>``,
+QKeras' quantizers as the ap types they stand for, and FP8 minifloats.
 
 ``ap_fixed<W, I, Q, O>`` follows Vitis HLS (UG1399): a signed two's-complement number of ``W`` bits,
 ``I`` of them (sign included) left of the binary point, so ``F = W - I`` fractional bits and one
@@ -11,6 +12,21 @@ overflow (``O``) of the quantized integer ``q``:
     O: WRAP keep the low W bits · SAT clamp · SAT_ZERO 0 on overflow ·
        SAT_SYM clamp to ±(2^(W-1) - 1) · WRAP_SM wrap, then flip the bits when the sign the
        wrap produced differs from the first dropped bit (sign-magnitude wrap)
+
+``ap_ufixed<W, I, Q, O>`` is the unsigned twin: ``raw`` in ``[0, 2^W - 1]``, ``I`` integer bits
+(no sign). Quantization is the same; on overflow WRAP keeps the low W bits (modulo 2^W), SAT_ZERO
+gives 0, SAT and SAT_SYM clamp to ``[0, 2^W - 1]``; WRAP_SM is refused (as the ap_types headers
+refuse it).
+
+QKeras' quantizers name the same formats (`parse_format`), with the rounding (to nearest, ties
+to even: ``tf.round``) and clipping they apply:
+``quantized_bits(bits, integer, keep_negative=1, alpha=1)`` is
+``ap_fixed<bits, integer + 1, AP_RND_CONV, AP_SAT>`` (``integer`` bits besides the sign), or with
+``keep_negative=0`` ``ap_ufixed<bits, integer, AP_RND_CONV, AP_SAT>``;
+``quantized_relu(bits, integer)`` is ``ap_ufixed<bits, integer, AP_RND_CONV, AP_SAT>``. These are
+the types hls4ml's ``config_from_keras_model`` gives QKeras activations, except that hls4ml
+types an unsigned ``quantized_bits`` as signed ``ap_fixed<bits, integer + 1>`` (one fractional
+bit fewer than QKeras keeps); here it keeps QKeras' values.
 
 Raw integers are exact: a format of at most 53 bits keeps them in float64 tensors (every
 integer below 2^53 is a float64, and the operators the simulator uses on them -- sums, products,
@@ -25,7 +41,7 @@ FP8 minifloats (`Minifloat`: ``e4m3fn``, ``e5m2``) round to nearest even and sat
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -69,20 +85,40 @@ FLOAT32 = Float32()
 
 @dataclass(frozen=True)
 class ApFixed:
-    """``ap_fixed<w, i, AP_q, AP_o>``; build it with `ap_fixed`."""
+    """``ap_fixed<w, i, AP_q, AP_o>`` or, with ``signed=False``, ``ap_ufixed<w, i, AP_q, AP_o>``;
+    build it with `ap_fixed` or `ap_ufixed`."""
 
     w: int
     i: int
     q: str = "TRN"
     o: str = "WRAP"
+    signed: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.w <= MAX_WIDTH:
-            raise ValueError(f"ap_fixed width W={self.w}: expected 1..{MAX_WIDTH}")
+            raise ValueError(f"{self.kind} width W={self.w}: expected 1..{MAX_WIDTH}")
         if self.q not in Q_MODES:
-            raise ValueError(f"ap_fixed quantization mode {self.q!r}: expected one of {Q_MODES}")
+            raise ValueError(f"{self.kind} quantization mode {self.q!r}: expected one of {Q_MODES}")
         if self.o not in O_MODES:
-            raise ValueError(f"ap_fixed overflow mode {self.o!r}: expected one of {O_MODES}")
+            raise ValueError(f"{self.kind} overflow mode {self.o!r}: expected one of {O_MODES}")
+        if not self.signed and self.o == "WRAP_SM":
+            raise ValueError(f"{self}: an unsigned type has no sign-magnitude wrap (the ap_types headers refuse it)")
+
+    @property
+    def kind(self) -> str:
+        """``ap_fixed`` or ``ap_ufixed``."""
+        return "ap_fixed" if self.signed else "ap_ufixed"
+
+    @property
+    def overflow(self) -> str:
+        """The overflow mode as the headers apply it: SAT_SYM of an unsigned type is SAT."""
+        return "SAT" if not self.signed and self.o == "SAT_SYM" else self.o
+
+    @property
+    def container(self) -> tuple[int, int]:
+        """``(w, i)`` of the narrowest signed type holding every value: this one's, or one bit
+        wider for an unsigned type (as C++ widens an ``ap_ufixed`` operand of signed arithmetic)."""
+        return (self.w, self.i) if self.signed else (self.w + 1, self.i + 1)
 
     @property
     def f(self) -> int:
@@ -95,11 +131,11 @@ class ApFixed:
 
     @property
     def max_raw(self) -> int:
-        return (1 << (self.w - 1)) - 1
+        return (1 << (self.w - self.signed)) - 1
 
     @property
     def min_raw(self) -> int:
-        return -(1 << (self.w - 1))
+        return -(1 << (self.w - 1)) if self.signed else 0
 
     @property
     def rounds(self) -> bool:
@@ -111,7 +147,7 @@ class ApFixed:
         return str(self)
 
     def __str__(self) -> str:
-        return f"ap_fixed<{self.w},{self.i},AP_{self.q},AP_{self.o}>"
+        return f"{self.kind}<{self.w},{self.i},AP_{self.q},AP_{self.o}>"
 
     def cpp(self) -> str:
         """The C++ type of this format."""
@@ -239,21 +275,22 @@ class ApFixed:
         # Python compares its floats and ints exactly
         if lo < low and high <= hi and (huge is None or not bool(huge.any())):
             return as_raw(q, self.w), torch.zeros((), dtype=torch.bool)
-        over = (q >= -lo) | (q < lo)
+        over = (q > hi) | (q < lo)
         if huge is not None:
             over = over | huge
-        if self.o == "SAT_SYM":
+        o = self.overflow
+        if o == "SAT_SYM":
             over = over | (q == lo)
         neg = q < 0 if neg is None else neg
-        if self.o == "SAT":
+        if o == "SAT":
             out = torch.where(neg, lo, hi)
-        elif self.o == "SAT_SYM":
+        elif o == "SAT_SYM":
             out = torch.where(neg, -hi, hi)
-        elif self.o == "SAT_ZERO":
+        elif o == "SAT_ZERO":
             out = torch.zeros(q.shape, dtype=dtype)
         else:
             out = self._wrap(q).to(dtype)
-            if self.o == "WRAP_SM":
+            if o == "WRAP_SM":
                 # the first dropped bit, taken before the rounding increment (as ap_fixed does)
                 ld = _floor_shift(floor, self.w, 1) == 1
                 flip = ld != (out < 0)
@@ -263,12 +300,14 @@ class ApFixed:
         return torch.where(over, out.to(dtype), torch.where(over, 0, q).to(dtype)), over
 
     def _wrap(self, q: Tensor) -> Tensor:
-        """The low ``w`` bits of ``q`` read as a signed number."""
+        """The low ``w`` bits of ``q`` read as a number of this type's signedness."""
         if not q.is_floating_point():
-            half = 1 << (self.w - 1)
+            half = 1 << (self.w - 1) if self.signed else 0
             return ((q + half) & ((1 << self.w) - 1)) - half
         # exact for any float64, even one too large for ``q + 2^(w-1)`` to be exact
         low = torch.remainder(q, 2.0**self.w)
+        if not self.signed:
+            return low
         return torch.where(low >= 2.0 ** (self.w - 1), low - 2.0**self.w, low)
 
 
@@ -293,6 +332,36 @@ def ap_fixed(w: int, i: int, q: str = "TRN", o: str = "WRAP") -> ApFixed:
     1.5
     """
     return ApFixed(w, i, q.upper().removeprefix("AP_"), o.upper().removeprefix("AP_"))
+
+
+def ap_ufixed(w: int, i: int, q: str = "TRN", o: str = "WRAP") -> ApFixed:
+    """The unsigned format ``ap_ufixed<w, i, AP_q, AP_o>`` (``q``/``o`` as for `ap_fixed`).
+
+    >>> float(ap_ufixed(6, 0, "RND_CONV", "SAT").quantize(torch.tensor(-0.5)))
+    0.0
+    """
+    return replace(ap_fixed(w, i, q, o), signed=False)
+
+
+def quantized_bits(bits: int, integer: int = 0, keep_negative: bool = True, alpha: float = 1) -> ApFixed:
+    """The ap type of QKeras' ``quantized_bits``: ``integer`` bits left of the point besides the
+    sign (kept when ``keep_negative``), round to nearest even, clip.
+
+    >>> str(quantized_bits(8, 3))
+    'ap_fixed<8,4,AP_RND_CONV,AP_SAT>'
+    """
+    if alpha != 1:
+        raise ValueError(f"quantized_bits alpha={alpha!r}: only alpha=1 is a fixed-point format "
+                         "(another alpha scales every value)")
+    if keep_negative:
+        return ap_fixed(bits, integer + 1, "RND_CONV", "SAT")
+    return ap_ufixed(bits, integer, "RND_CONV", "SAT")
+
+
+def quantized_relu(bits: int, integer: int = 0) -> ApFixed:
+    """The ap type of QKeras' ``quantized_relu`` (negative_slope 0): unsigned, ``integer`` bits
+    left of the point, round to nearest even, clip."""
+    return ap_ufixed(bits, integer, "RND_CONV", "SAT")
 
 
 @dataclass(frozen=True)
@@ -329,15 +398,47 @@ MINIFLOATS = {f.dtype: f for f in (E4M3FN, E5M2)}
 
 Format = Float32 | ApFixed
 
-_FORMAT_TEXT = re.compile(r"ap_fixed\s*<\s*(\d+)\s*,\s*(-?\d+)\s*(?:,\s*(\w+)\s*)?(?:,\s*(\w+)\s*)?>")
+_FORMAT_TEXT = re.compile(r"(ap_u?fixed)\s*<\s*(\d+)\s*,\s*(-?\d+)\s*(?:,\s*(\w+)\s*)?(?:,\s*(\w+)\s*)?>")
+_QUANTIZER_TEXT = re.compile(r"(quantized_bits|quantized_relu)\s*\((.*)\)", re.DOTALL)
+_QUANTIZERS = {"quantized_bits": (quantized_bits, ("bits", "integer", "keep_negative", "alpha")),
+               "quantized_relu": (quantized_relu, ("bits", "integer"))}
+_EXPECTED = ("'float32', 'ap_fixed<W,I[,Q[,O]]>', 'ap_ufixed<W,I[,Q[,O]]>', "
+             "'quantized_bits(bits, integer[, keep_negative[, alpha]])' or 'quantized_relu(bits, integer)'")
 
 
 def parse_format(text: str) -> Format:
-    """``"float32"`` or ``"ap_fixed<16,6>"`` / ``"ap_fixed<16,6,RND,SAT>"`` (AP_ prefixes optional)."""
+    """A format from its name: ``"float32"``; ``"ap_fixed<16,6>"``, ``"ap_ufixed<8,0,RND,SAT>"``
+    (AP_ prefixes optional); or a QKeras quantizer, ``"quantized_bits(6, 0, alpha=1)"``,
+    ``"quantized_relu(6, 0)"`` (positional or keyword arguments, as in Python)."""
     text = text.strip()
     if text == "float32":
         return FLOAT32
     m = _FORMAT_TEXT.fullmatch(text)
+    if m:
+        build = ap_fixed if m[1] == "ap_fixed" else ap_ufixed
+        return build(int(m[2]), int(m[3]), m[4] or "TRN", m[5] or "WRAP")
+    m = _QUANTIZER_TEXT.fullmatch(text)
     if not m:
-        raise ValueError(f"number format {text!r}: expected 'float32' or 'ap_fixed<W,I[,Q[,O]]>'")
-    return ap_fixed(int(m[1]), int(m[2]), m[3] or "TRN", m[4] or "WRAP")
+        raise ValueError(f"number format {text!r}: expected {_EXPECTED}")
+    build, names = _QUANTIZERS[m[1]]
+    return build(**_arguments(text, m[2], names))
+
+
+def _arguments(text: str, args: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The numeric arguments of a quantizer call, by name."""
+    out: dict[str, float] = {}
+    for n, part in enumerate(a.strip() for a in args.split(",") if a.strip()):
+        name, eq, value = part.rpartition("=")
+        name = name.strip() if eq else (names[n] if n < len(names) else "")
+        if name not in names or name in out:
+            raise ValueError(f"number format {text!r}: argument {part!r}: expected {', '.join(names)}, each once")
+        try:
+            number = float({"True": 1, "False": 0}.get(value.strip(), value))
+        except ValueError:
+            raise ValueError(f"number format {text!r}: argument {part!r} is not a number") from None
+        if name != "alpha" and number != int(number):
+            raise ValueError(f"number format {text!r}: {name} must be an integer, got {value.strip()}")
+        out[name] = number if name == "alpha" else int(number)
+    if "bits" not in out:
+        raise ValueError(f"number format {text!r}: bits is required")
+    return out
