@@ -25,6 +25,7 @@ import random
 import re
 import shlex
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,39 @@ from kpt_conformance.report import FILES, Report, environment
 
 PROFILE = re.compile(r"[a-z0-9][a-z0-9-]*")
 """What a `kpt.Backend.conformance_profile` may be: it names a directory and a file."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """What `pytest_configure` settles for a run, before any test: the fixtures, the hooks and the
+    suite's tests read it with `run_of`."""
+
+    name: str
+    """The backend's name as given (``--kpt-backend``, ``$KPT_BACKEND`` or ``reference``)."""
+    backend: kpt.Backend
+    missing: dict[str, tuple[str, ...]]
+    """Kernel -> the bodies the backend lacks ("forward", "backward")."""
+    device: torch.device
+    dtypes: tuple[torch.dtype, ...]
+    kernels: list[str]
+    profile: str
+    xfails: dict[str, str]
+    """Test id or glob -> reason, from the xfail file."""
+    base_seed: int
+    report: Report
+
+    def seed(self, test_id: str) -> int:
+        """The seed of one test: each test draws from its own, so a run of some tests replays
+        them as the whole run drew them."""
+        return (self.base_seed + zlib.crc32(test_id.encode())) % 2**31
+
+
+RUN = pytest.StashKey[Run]()
+
+
+def run_of(config: pytest.Config) -> Run:
+    """The run `pytest_configure` settled (kept in pytest's typed ``config.stash``)."""
+    return config.stash[RUN]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -106,15 +140,15 @@ def _device(config: pytest.Config, backend: kpt.Backend) -> torch.device:
         raise pytest.UsageError(f"--device {option!r} is not a torch device (cpu, cuda:1, xpu, mps): {exc}") from exc
 
 
-def replay_command(config: pytest.Config) -> str:
+def replay_command(config: pytest.Config, name: str, base_seed: int) -> str:
     """The ``kpt check`` line that runs these tests again on the same inputs: the options given
     (kernels, dtypes, device, xfails, pytest's ``-k`` and ``-m``), with the run's seed."""
-    words = ["kpt", "check", "--backend", config.kpt_name]
+    words = ["kpt", "check", "--backend", name]
     for option, flag in (("--kpt-device", "--device"), ("--kpt-dtypes", "--dtypes"),
                          ("--kpt-kernels", "--kernels"), ("--kpt-xfails", "--xfails")):
         if config.getoption(option):
             words += [flag, str(config.getoption(option))]
-    words += ["--seed", str(config.kpt_base_seed)]
+    words += ["--seed", str(base_seed)]
     selection = [w for flag, value in (("-k", config.option.keyword), ("-m", config.option.markexpr)) if value
                  for w in (flag, value)]
     return shlex.join([*words, *(["--", *selection] if selection else [])])
@@ -123,60 +157,59 @@ def replay_command(config: pytest.Config) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     name, source = _backend_name(config)
     backend, missing = _load_backend(name, source)
-    config.kpt_name = name
-    config.kpt_backend = backend
-    config.kpt_missing = missing
-    config.kpt_device = _device(config, backend)
+    device = _device(config, backend)
     dtypes = {str(d).removeprefix("torch."): d for d in backend.dtypes}
     chosen = _names(config.getoption("--kpt-dtypes"), list(dtypes), f"dtypes for backend {name!r}")
-    config.kpt_dtypes = tuple(dtypes[d] for d in chosen) or tuple(dtypes.values())
-    config.kpt_kernels = _names(config.getoption("--kpt-kernels"), list(kpt.SPECS), "kernels") or list(kpt.SPECS)
+    kernels = _names(config.getoption("--kpt-kernels"), list(kpt.SPECS), "kernels") or list(kpt.SPECS)
     profile = backend.conformance_profile
     if not isinstance(profile, str) or not PROFILE.fullmatch(profile):
         raise pytest.UsageError(f"backend {name!r} names its conformance profile {profile!r}, which is not a "
                                 "name ([a-z0-9][a-z0-9-]*): it names the report directory and the xfail file")
-    config.kpt_profile = profile
-    config.kpt_xfails = _xfails(config.getoption("--kpt-xfails"), profile)
+    xfails = _xfails(config.getoption("--kpt-xfails"), profile)
     report_dir = Path(config.getoption("--kpt-report") or Path("reports") / profile)
     existing = [f for f in FILES if (report_dir / f).exists()]
     if existing and not config.getoption("--kpt-force"):
         raise pytest.UsageError(f"{report_dir} already holds a report ({', '.join(existing)}): keeping it. "
                                 "Give --force to replace it, or --report another directory")
     seed = config.getoption("--kpt-seed")
-    config.kpt_base_seed = random.SystemRandom().randrange(2**31) if seed is None else seed
-    # each test draws from its own seed, so a run of some tests replays them as the whole run drew them
-    config.kpt_seed = lambda test_id: (config.kpt_base_seed + zlib.crc32(test_id.encode())) % 2**31
-    config.kpt_report = Report(name, profile, backend, config.kpt_device, config.kpt_base_seed, report_dir,
-                               replay=replay_command(config))
-    config.pluginmanager.register(config.kpt_report, "kpt-report")
+    base_seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+    report = Report(name, profile, backend, device, base_seed, report_dir,
+                    replay=replay_command(config, name, base_seed))
+    config.stash[RUN] = Run(name, backend, missing, device, tuple(dtypes[d] for d in chosen) or tuple(dtypes.values()),
+                            kernels, profile, xfails, base_seed, report)
+    config.pluginmanager.register(report, "kpt-report")
 
 
 def _replay(config: pytest.Config) -> str:
-    return f"inputs seed {config.kpt_base_seed} (replay: {replay_command(config)})"
+    run = run_of(config)
+    return f"inputs seed {run.base_seed} (replay: {run.report.replay})"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    env = ", ".join(f"{k}={v}" for k, v in environment(config.kpt_backend).items())
-    return [f"kpt backend: {config.kpt_name} (profile {config.kpt_profile}) on {config.kpt_device}, "
+    run = run_of(config)
+    env = ", ".join(f"{k}={v}" for k, v in environment(run.backend).items())
+    return [f"kpt backend: {run.name} (profile {run.profile}) on {run.device}, "
             f"{_replay(config)}", f"kpt environment: {env}"]
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     # the header is hidden under -q; the seed must survive any verbosity
-    terminalreporter.write_line(f"kpt {config.kpt_name}: {_replay(config)}; report in {config.kpt_report.directory}")
+    run = run_of(config)
+    terminalreporter.write_line(f"kpt {run.name}: {_replay(config)}; report in {run.report.directory}")
 
 
 @pytest.fixture(scope="session")
 def backend(pytestconfig: pytest.Config) -> kpt.Backend:
-    if pytestconfig.kpt_device.type == "cuda" and pytestconfig.kpt_device.index is not None:
-        torch.cuda.set_device(pytestconfig.kpt_device)  # kernels launch on the current device
-    return pytestconfig.kpt_backend
+    run = run_of(pytestconfig)
+    if run.device.type == "cuda" and run.device.index is not None:
+        torch.cuda.set_device(run.device)  # kernels launch on the current device
+    return run.backend
 
 
 @pytest.fixture(scope="session")
 def device(pytestconfig: pytest.Config) -> torch.device:
     """Where the inputs go: ``--kpt-device``, else the backend's device."""
-    return pytestconfig.kpt_device
+    return run_of(pytestconfig).device
 
 
 def _xfails(option: str | None, profile: str) -> dict[str, str]:
@@ -211,21 +244,22 @@ def kernel_and_part(item: pytest.Item) -> tuple[str | None, str]:
         return params["kernel"], ""
     if "spec" not in params:
         return None, ""
-    backward = item.originalname == "test_backward" or params.get("mode") == "fwd+bwd"
+    test = item.originalname if isinstance(item, pytest.Function) else item.name
+    backward = test == "test_backward" or params.get("mode") == "fwd+bwd"
     return params["spec"].name, "backward" if backward else "forward"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    entries = config.kpt_xfails
+    run = run_of(config)
     selected, deselected = [], []
     for item in items:
         kernel, part = kernel_and_part(item)
         # a test of a body the backend lacks would only repeat its presence test's failure
-        if kernel is not None and (kernel not in config.kpt_kernels or part in config.kpt_missing.get(kernel, ())):
+        if kernel is not None and (kernel not in run.kernels or part in run.missing.get(kernel, ())):
             deselected.append(item)
             continue
         selected.append(item)
-        for pattern, reason in entries.items():
+        for pattern, reason in run.xfails.items():
             if fnmatch.fnmatchcase(item.nodeid, pattern):
                 item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
                 break

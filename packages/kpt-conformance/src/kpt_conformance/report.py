@@ -95,7 +95,7 @@ class Report:
         self.results: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report) -> None:
-        props = {}
+        props: dict[str, Any] = {}
         for key, value in report.user_properties:
             if key == "kpt":
                 props |= value

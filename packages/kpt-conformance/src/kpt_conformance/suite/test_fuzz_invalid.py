@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import kpt
 from kpt.testing import modified, snapshot, to_device
+from kpt_conformance.plugin import run_of
 
 FIXED_RANK = ("weight", "bias", "target", "indices", "offsets", "order", "weights", "logits", "x_sorted",
               "y_sorted", "hidden", "q", "k", "v", "wq")
@@ -79,6 +80,6 @@ def test_invalid_calls_raise_kpt_errors(request: pytest.FixtureRequest, backend:
     config = request.config
     run = settings(max_examples=config.getoption("--kpt-fuzz-examples"), deadline=None, database=None,
                    suppress_health_check=list(HealthCheck))(
-        given(call=invalid_calls(spec, config.kpt_dtypes))(
+        given(call=invalid_calls(spec, run_of(config).dtypes))(
             lambda call: _check(backend, device, spec, call)))
-    seed(config.kpt_seed(request.node.nodeid))(run)()
+    seed(run_of(config).seed(request.node.nodeid))(run)()

@@ -57,6 +57,7 @@ from kpt.testing import (
     to_oracle,
     tolerance_for,
 )
+from kpt_conformance.plugin import run_of
 
 SIZES = (0, 1, 2, 3, 5, 7, 13, 16, 17, 31, 32, 33, 63, 64, 65)
 """Sizes of every dimension: empty, one, primes, powers of two and their neighbours."""
@@ -285,9 +286,9 @@ def _write_special(t: torch.Tensor, kind: str, g: torch.Generator) -> None:
     flat = t.view(-1, t.shape[-1]) if t.dim() > 1 else t.view(1, -1)
     if kind in ("zero", "subnormal"):
         row = flat[int(torch.randint(flat.shape[0], (1,), generator=g))]
-        sign = torch.where(torch.rand(row.shape, generator=g) < 0.5, -1.0, 1.0)
+        signs = torch.where(torch.rand(row.shape, generator=g) < 0.5, -1.0, 1.0)
         magnitude = 0.0 if kind == "zero" else info.tiny * torch.rand(row.shape, generator=g, dtype=torch.float64)
-        row.copy_(sign * magnitude)
+        row.copy_(signs * magnitude)
         return
     value = {"max": info.max, "inf": float("inf"), "nan": float("nan")}[kind]
     for place in torch.randint(t.numel(), (2,), generator=g).tolist():
@@ -405,10 +406,10 @@ def test_valid_calls_match_the_oracle(request: pytest.FixtureRequest, backend: k
     config = request.config
     # gradients too where the kernel has them and the backend its backward (a missing one is its
     # presence test's failure, not this test's)
-    backward = (bool(spec.differentiable) and "backward" not in config.kpt_missing.get(spec.name, ())
+    backward = (bool(spec.differentiable) and "backward" not in run_of(config).missing.get(spec.name, ())
                 and backend.fuzzed_gradients(spec.name))
     run = settings(max_examples=config.getoption("--kpt-fuzz-valid-examples"), deadline=None, database=None,
                    print_blob=True, phases=PHASES, suppress_health_check=list(HealthCheck))(
-        given(call=valid_calls(spec, config.kpt_dtypes, backend))(
+        given(call=valid_calls(spec, run_of(config).dtypes, backend))(
             lambda call: _check(backend, spec, device, call, backward)))
-    seed(config.kpt_seed(request.node.nodeid))(run)()
+    seed(run_of(config).seed(request.node.nodeid))(run)()

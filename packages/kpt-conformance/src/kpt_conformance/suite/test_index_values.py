@@ -18,6 +18,7 @@ import torch
 
 import kpt
 from kpt.testing import check_backward, check_forward, modified, snapshot, to_device
+from kpt_conformance.plugin import run_of
 
 CASES = [(spec, bad) for spec in kpt.SPECS.values() for bad in spec.bad_values()]
 IDS = [f"{s.name}-{b.name}" for s, b in CASES]
@@ -53,6 +54,6 @@ def test_unchecked_stays_defined(request: pytest.FixtureRequest, backend: kpt.Ba
     with kpt.checked_values(False):
         report = check_forward(backend, spec, args, torch.float32)
         assert report.ok, report.message
-        if spec.differentiable and "backward" not in request.config.kpt_missing.get(spec.name, ()):
+        if spec.differentiable and "backward" not in run_of(request.config).missing.get(spec.name, ()):
             report = check_backward(backend, spec, args, torch.float32, torch.Generator().manual_seed(0))
             assert report.ok, report.message

@@ -12,10 +12,12 @@ import torch
 
 import kpt
 from kpt.testing import CheckReport, check_backward, check_forward, to_device
+from kpt_conformance.plugin import run_of
 
 
 def _params(config: pytest.Config, backward: bool) -> list:
-    on_cpu = config.kpt_device.type == "cpu"
+    run = run_of(config)
+    on_cpu = run.device.type == "cpu"
     params = []
     for spec in kpt.SPECS.values():
         if backward and not spec.differentiable:
@@ -23,7 +25,7 @@ def _params(config: pytest.Config, backward: bool) -> list:
         for case in spec.cases():
             if (case.device_only and on_cpu) or (backward and not case.grad):
                 continue
-            for dtype in config.kpt_dtypes:
+            for dtype in run.dtypes:
                 if case.device_only and dtype != torch.bfloat16:
                     continue  # real-size numerics in the training dtype keep a device run short
                 if case.dtypes is None or dtype in case.dtypes:
@@ -39,7 +41,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _inputs(request: pytest.FixtureRequest, device: torch.device, case: kpt.Case, dtype: torch.dtype) -> dict:
-    g = torch.Generator().manual_seed(request.config.kpt_seed(request.node.nodeid))
+    g = torch.Generator().manual_seed(run_of(request.config).seed(request.node.nodeid))
     return to_device(case.make(g, dtype), device)
 
 
@@ -63,6 +65,6 @@ def test_forward(request, backend, device, spec, case, dtype, record_property) -
 
 def test_backward(request, backend, device, spec, case, dtype, record_property) -> None:
     _record(record_property, spec, case, dtype, "backward")
-    g = torch.Generator().manual_seed(request.config.kpt_seed(request.node.nodeid + "/grad"))
+    g = torch.Generator().manual_seed(run_of(request.config).seed(request.node.nodeid + "/grad"))
     _judge(record_property, check_backward(backend, spec, _inputs(request, device, case, dtype), dtype, g,
                                            case.tolerance_scale, case.eager_factor))
