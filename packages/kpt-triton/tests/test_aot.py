@@ -19,7 +19,7 @@ import sys, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from kpt_triton import activations, aot
 for arch in sys.argv[1:]:
-    with aot._recording(aot.TARGETS[arch].units) as launches, FakeTensorMode():
+    with aot._recording(aot.TARGETS[arch]) as launches, FakeTensorMode():
         activations.silu_fwd(torch.empty(8, 256, dtype=torch.bfloat16))
     (launch,) = launches
     r = aot.compile_one(launch, arch)

@@ -52,7 +52,7 @@ from triton.compiler import ASTSource
 from kpt_triton import aot, layer_norm, rms_norm
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for name, width in (("layer_norm", 17), ("rms_norm", 17), ("layer_norm", 4096), ("rms_norm", 4096)):
-    with aot._recording(132) as launches, FakeTensorMode():
+    with aot._recording(aot.TARGETS["sm90"]) as launches, FakeTensorMode():
         x, w = torch.empty(3, width, dtype=torch.bfloat16), torch.empty(width, dtype=torch.bfloat16)
         if name == "layer_norm":
             layer_norm.layer_norm_fwd(x, w, w, 1e-5)

@@ -28,7 +28,7 @@ LDS within the limits).
 
 from __future__ import annotations
 
-from kpt_triton.attention import Tiles
+from kpt_triton.attention_tiles import Tiles
 from kpt_triton.backend import Table
 
 ROW_LAUNCHERS = ("rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd",

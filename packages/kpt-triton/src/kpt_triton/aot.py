@@ -38,7 +38,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import kpt
 
-from . import tiling
+from . import attention_tiles, tiling
 from .backend import TritonBackend
 
 
@@ -99,21 +99,22 @@ class Launch:
 
 
 @contextlib.contextmanager
-def _recording(units: int) -> Iterator[list[Launch]]:
-    """Record Triton launches instead of running them, with ``units`` multiprocessors."""
+def _recording(target: Target) -> Iterator[list[Launch]]:
+    """Record Triton launches instead of running them, on ``target``'s multiprocessors and shared memory."""
     launches: list[Launch] = []
-    run, count = JITFunction.run, tiling.multiprocessor_count
+    run, count, shared = JITFunction.run, tiling.multiprocessor_count, attention_tiles.shared_memory
 
     def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         wrap = [_Pointer(a) if isinstance(a, torch.Tensor) else a for a in args]
         kw = {k: _Pointer(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         launches.append(Launch(self.fn.__module__, self.fn.__name__, tuple(wrap), tuple(kw.items())))
 
-    JITFunction.run, tiling.multiprocessor_count = record, lambda device: units
+    JITFunction.run, tiling.multiprocessor_count = record, lambda device: target.units
+    attention_tiles.shared_memory = lambda device: target.shared_limit
     try:
         yield launches
     finally:
-        JITFunction.run, tiling.multiprocessor_count = run, count
+        JITFunction.run, tiling.multiprocessor_count, attention_tiles.shared_memory = run, count, shared
 
 
 def _inputs(mode: FakeTensorMode, case: kpt.Case, dtype: torch.dtype) -> dict[str, Any]:
@@ -134,7 +135,7 @@ def record_launches(backend: TritonBackend, target: Target, perf_only: bool = Fa
     kernels = backend.kernels()
     functions = kpt.ops.eager_functions(kernels)
     mode = FakeTensorMode()
-    with _recording(target.units) as launches:
+    with _recording(target) as launches:
         for spec in kpt.SPECS.values():
             for case in spec.cases():
                 if perf_only and not case.device_only:

@@ -58,14 +58,12 @@ dot), so the numerics run on a CPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from . import tiling
+from . import attention_tiles, tiling
+from .attention_tiles import PORTABLE_DECODE, Decode, Tiles, TilesByHeadDim
 from .launch import cached_launch
 from .linear import DOT_FP32, dot, dot_precision
 from .tiling import cdiv, next_pow2
@@ -529,83 +527,6 @@ def _attn_bwd_dq_kernel(
     _store_rows(DQ + bh * Sq * HEAD_DIM, offs_m, Sq, HEAD_DIM, dq * scale, HEAD_DIM, BLOCK_D)
 
 
-class Tiles(NamedTuple):
-    """How one attention launch cuts its work: ``block_m`` queries and ``block_n`` keys per tile;
-    ``options``: compiler options of one vendor's Triton backend (AMD: ``waves_per_eu``,
-    ``matrix_instr_nonkdim``)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    options: Mapping[str, int] = {}
-
-
-TilesByHeadDim = Mapping[int, Tiles]
-"""Tiles for 16-bit inputs by padded head dim (16, 32, 64, 128, 256); float32 keeps the portable ones."""
-
-
-class Decode(NamedTuple):
-    """How the decode kernel cuts a call (`attention_fwd` runs it where `decodes`). A plan applies to
-    16-bit inputs up to head dim 128; float32 and wider heads, twice the bytes a key, take
-    `PORTABLE_DECODE` and at most one query tile of the forward's rows.
-
-    - ``rows``: the most query rows of one KV head (its group's heads × Sq) the kernel takes.
-    - ``block_n`` keys a step in ``num_stages`` stages (None: the forward's `Tiles`', whose compiler
-      options the kernel takes too, so it fits wherever they do), with ``num_warps`` warps
-      (``wide_warps`` for tiles of more than 64 rows, None: the same; twice that in float32);
-      ``block_n`` halves until a tile holds at most ``scores`` scores (rows × keys, held in
-      registers; half as many with a mask, whose tile takes registers too).
-    - The keys split into chunks of at least ``split_keys``, one program each, as many as fill one
-      wave of ``programs_per_sm`` programs per multiprocessor (a second, partial wave would take as
-      long as the first), at most `MAX_SPLITS`.
-
-    The portable defaults were the fastest of 16 plans on an H100 under an earlier rule that took
-    the ceiling of the wave; kpt-cuda's plan for the H200 was swept there (``benchmarks/``).
-    """
-
-    rows: int = 128
-    block_n: int | None = None
-    num_warps: int = 4
-    num_stages: int | None = None
-    programs_per_sm: int = 2
-    split_keys: int = 256
-    scores: int = 8192
-    wide_warps: int | None = None
-
-
-PORTABLE_DECODE = Decode()
-"""The plan of calls that a backend's tuning does not give one, and of float32 and head dims above 128."""
-
-MAX_SPLITS = 128
-"""Chunks of keys per KV head at most (the combine kernel holds one row of every chunk at once)."""
-
-
-def _portable_tiles(block_d: int, dtype: torch.dtype, backward: bool) -> Tiles:
-    """Tiles that fit any recent GPU's shared memory and, compiled for sm_90, keep the
-    accumulators in registers (no spills up to head dim 128)."""
-    wide = dtype == torch.float32
-    if not backward:
-        if block_d <= 128:
-            return Tiles(32 if wide else 64, 64, 8, 2)
-        return Tiles(32, 32 if wide else 64, 8, 2)
-    if block_d <= 64:
-        return Tiles(32, 64, 8 if wide else 4, 2)
-    if block_d <= 128:
-        return Tiles(16, 32, 4, 2)
-    return Tiles(16, 16, 4, 2)
-
-
-def _tiles(
-    head_dim: int, dtype: torch.dtype, tiles: TilesByHeadDim | None, backward: bool
-) -> tuple[int, Tiles]:
-    """The padded head dim and the tiles of one launch."""
-    block_d = max(16, next_pow2(head_dim))
-    if tiles is not None and dtype != torch.float32 and block_d in tiles:
-        return block_d, tiles[block_d]
-    return block_d, _portable_tiles(block_d, dtype, backward)
-
-
 def _mask_args(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int | None, ...]]:
     """The mask as the kernels read it: its bytes (a bool is one byte: the uint8 view keeps the
     strides of the broadcast view core passes, no copy) and its 4 strides; all None without one, so
@@ -617,13 +538,15 @@ def _mask_args(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[in
 
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
-    *, tiles: TilesByHeadDim | None = None, decode: Decode = PORTABLE_DECODE, fp32_precision: str = "ieee",
+    *, tiles: TilesByHeadDim | None = None, fp32_tiles: TilesByHeadDim | None = None,
+    decode: Decode = PORTABLE_DECODE, fp32_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(o, lse)``: ``o`` like q (contiguous), ``lse`` float32 ``[B, Hq, Sq]`` (natural log).
 
     ``mask``: None or bool ``[B, Hq, Sq, Skv]`` (any strides), True where the query may attend the key.
-    ``tiles`` overrides the portable tiles per head dim; ``decode`` how a call whose queries of one
-    KV head fit in one tile splits its keys (`_decode`); ``fp32_precision`` is the dot precision for
+    ``tiles`` and ``fp32_tiles`` override the portable tiles per head dim for 16-bit and float32
+    inputs (`kpt_triton.attention_tiles`); ``decode`` how a call whose queries of one KV head fit in
+    one tile splits its keys (`_decode`); ``fp32_precision`` is the dot precision for
     float32 inputs ("ieee", or "tf32" where a backend accepts its error).
     """
     B, Hq, Sq, D = q.shape
@@ -632,7 +555,8 @@ def attention_fwd(
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    block_d, t = _tiles(D, q.dtype, tiles, backward=False)
+    block_d, t = attention_tiles.launch_tiles(D, q.dtype, tiles, fp32_tiles, False, mask is not None,
+                                              attention_tiles.shared_memory(q.device))
     if _decodes(q, k, block_d, t, decode):
         return _decode(q, k, v, mask, o, lse, causal, scale, block_d, t, decode,
                        dot_precision(q.dtype, fp32_precision))
@@ -658,24 +582,18 @@ def attention_fwd(
 
 
 def decodes(q: torch.Tensor, k: torch.Tensor, tiles: TilesByHeadDim | None = None,
-            plan: Decode = PORTABLE_DECODE) -> bool:
-    """Whether `attention_fwd` runs the call with the decode kernel: keys to read, and few queries
-    of one KV head (its group's query heads × Sq; `Decode`)."""
-    block_d, t = _tiles(q.shape[3], q.dtype, tiles, backward=False)
+            plan: Decode = PORTABLE_DECODE, fp32_tiles: TilesByHeadDim | None = None, masked: bool = False) -> bool:
+    """Whether `attention_fwd` runs the call (with a mask where ``masked``) with the decode kernel: keys
+    to read, and few queries of one KV head (its group's query heads × Sq; `Decode`)."""
+    block_d, t = attention_tiles.launch_tiles(q.shape[3], q.dtype, tiles, fp32_tiles, False, masked,
+                                              attention_tiles.shared_memory(q.device))
     return _decodes(q, k, block_d, t, plan)
 
 
 def _decodes(q: torch.Tensor, k: torch.Tensor, block_d: int, tiles: Tiles, plan: Decode) -> bool:
     """`decodes`, given the padded head dim and the forward's tiles."""
     _, Hkv, Skv, _ = k.shape
-    rows = max(tiles.block_m, plan.rows) if _planned(q.dtype, block_d) else tiles.block_m
-    return Skv > 0 and q.shape[1] // Hkv * q.shape[2] <= rows
-
-
-def _planned(dtype: torch.dtype, block_d: int) -> bool:
-    """Whether a `Decode` plan applies: 16-bit inputs up to head dim 128 (float32 and wider heads
-    hold twice the bytes a key, and take the portable plan)."""
-    return dtype != torch.float32 and block_d <= 128
+    return Skv > 0 and q.shape[1] // Hkv * q.shape[2] <= attention_tiles.decode_rows(q.dtype, block_d, tiles, plan)
 
 
 def _decode(
@@ -689,17 +607,11 @@ def _decode(
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     rows = Hq // Hkv * Sq
-    block_m = max(16, next_pow2(rows))
-    plan = plan if _planned(q.dtype, block_d) else PORTABLE_DECODE
-    block_n = tiles.block_n if plan.block_n is None else plan.block_n
-    # a mask's tile (its addresses and bytes) holds about the registers of a second tile of scores:
-    # half the keys a step (sm90, 128 rows of head dim 32 in 4 warps: 9448 spilled bytes a thread, none)
-    scores = plan.scores // 2 if mask is not None else plan.scores
-    while block_n > 16 and block_m * block_n > scores:
-        block_n //= 2
-    stages = tiles.num_stages if plan.num_stages is None else plan.num_stages
+    block_m, block_n, num_warps, num_stages = attention_tiles.decode_tiles(
+        rows, block_d, q.dtype, tiles, plan, mask is not None, attention_tiles.shared_memory(q.device))
+    plan = plan if attention_tiles.planned(q.dtype, block_d) else PORTABLE_DECODE
     wave = tiling.multiprocessor_count(q.device) * plan.programs_per_sm // (B * Hkv)
-    splits = max(1, min(wave, cdiv(Skv, plan.split_keys), MAX_SPLITS))
+    splits = max(1, min(wave, cdiv(Skv, plan.split_keys), attention_tiles.MAX_SPLITS))
     chunk = cdiv(cdiv(Skv, splits), block_n) * block_n
     splits = cdiv(Skv, chunk)
     direct = splits == 1
@@ -714,11 +626,7 @@ def _decode(
         Hkv, Hq // Hkv, Sq, Skv, chunk, scale * _LOG2E,
         CAUSAL=causal, HAS_MASK=mask is not None, DIRECT=direct, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, DOT_FP32=DOT_FP32, PRECISION=precision,
-        # float32's dot holds twice the registers (sm90, 32 rows of head dim 64: 1376 spilled bytes
-        # a thread in 4 warps)
-        num_warps=((plan.wide_warps or plan.num_warps) if block_m > 64 else plan.num_warps)
-        * (2 if q.dtype == torch.float32 else 1),
-        num_stages=stages, **tiles.options,
+        num_warps=num_warps, num_stages=num_stages, **tiles.options,
     )
     if not direct:
         _attn_decode_combine_kernel[(B * Hkv * rows,)](
@@ -731,11 +639,11 @@ def _decode(
 def attention_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
     o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor | None,
-    *, tiles: TilesByHeadDim | None = None, fp32_precision: str = "ieee",
+    *, tiles: TilesByHeadDim | None = None, fp32_tiles: TilesByHeadDim | None = None, fp32_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dq, dk, dv)`` like q, k, v; zeros when ``do`` is None.
 
-    ``tiles`` (per head dim, as for `attention_fwd`) are those of all three backward kernels:
+    ``tiles`` and ``fp32_tiles`` (per head dim, as for `attention_fwd`) are those of all three backward kernels:
     ``block_m`` queries and ``block_n`` keys.
     """
     B, Hq, Sq, D = q.shape
@@ -746,7 +654,8 @@ def attention_bwd(
     dv = new((B, Hkv, Skv, D), dtype=v.dtype, device=v.device)
     if do is None:
         return dq, dk, dv
-    block_d, t = _tiles(D, q.dtype, tiles, backward=True)
+    block_d, t = attention_tiles.launch_tiles(D, q.dtype, tiles, fp32_tiles, True, mask is not None,
+                                              attention_tiles.shared_memory(q.device))
     common = {"CAUSAL": causal, "HAS_MASK": mask is not None, "HEAD_DIM": D, "BLOCK_M": t.block_m,
               "BLOCK_N": t.block_n, "BLOCK_D": block_d,
               "DOT_FP32": DOT_FP32, "PRECISION": dot_precision(q.dtype, fp32_precision),
