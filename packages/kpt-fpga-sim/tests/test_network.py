@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kpt.errors import KernelInputError, KernelNotSupportedError
-from kpt_fpga_sim import calibration, configure, estimate_model, multipliers
+from kpt_fpga_sim import calibration, configure, estimate_model, multipliers, network
 from kpt_fpga_sim.devices import SERIES7, ULTRASCALE_PLUS, get_device, memory_blocks, operators
 from kpt_fpga_sim.formats import ap_fixed
 from kpt_fpga_sim.hls import Design, Loop, format_table, resources
@@ -172,18 +172,32 @@ def test_cnn_parallel_and_stream() -> None:
     assert [r.interval for r in convs] == [144, 16] and par.interval == 144
     st = estimate_model(model, x, io="stream", reuse=2)
     sconvs = [r for r in st.layers if r.op == "Conv2d"]
-    # a 14x14 padded input read a pixel a cycle, 12x12 outputs computed at II = reuse
-    assert sconvs[0].reuse == 2 and sconvs[0].interval == 14 * 14 + 12 * 12 * (2 - 1) + 1
+    # hls4ml's loop over the 14x14 padded input pixels, pipelined at II = reuse
+    assert sconvs[0].reuse == 2 and sconvs[0].interval == 14 * 14 * 2 + 1
     assert st.interval == max(r.interval for r in st.layers)
+    # the layers overlap: more than the slowest layer, less than the sum of them
+    assert sconvs[0].latency_cycles < st.latency_cycles < sum(r.latency_cycles for r in st.layers)
     res = estimate_model(model, x, io="stream", reuse=4, strategy="resource")
     rconv = next(r for r in res.layers if r.op == "Conv2d")
-    # a resource-strategy product runs to its end before the next window: its latency per output
-    assert rconv.interval > 14 * 14 + 12 * 12 * rconv.reuse
+    # not pipelined: every pixel shifts the window (C·K² = 18 values, less the cycles saved) and
+    # runs a whole resource-strategy product (R = 4 and its ROM read, multiply, accumulate, write)
+    product = rconv.reuse + 2 + 1
+    assert rconv.interval == 14 * 14 * (product + 18 - network.WINDOW_SHIFT_SAVED) + 1
     assert {r.op for r in st.layers} >= {"tanh", "sigmoid", "AdaptiveAvgPool2d", "MaxPool2d", "pad"}
     assert all(r.bram18 > 0 for r in st.layers if r.op in ("tanh", "sigmoid"))       # the tables
     conv1d = nn.Sequential(nn.Conv1d(3, 5, 3), nn.ReLU(), nn.AvgPool1d(2), nn.Flatten(), nn.Linear(15, 2))
     r1 = estimate_model(conv1d, torch.randn(1, 3, 8, generator=g), io="stream")
     assert r1.layers[0].op == "Conv1d" and r1.dsp > 0
+
+
+def test_stream_flow_follows_every_beat() -> None:
+    # iteration i starts when its beat is in and iteration i - 1 is ii cycles old
+    flow = network._Flow(torch.tensor([0, 1, -1, 2]), 2, torch.tensor([True, False, True, True]), 3)
+    out, done = flow.run(torch.tensor([0, 10, 11]))
+    assert out.tolist() == [3, 15, 17] and done == 17          # starts 0, 10, 12, 14
+    # a padded row: the padding pixels wait for the input pixel before them
+    deps, index = network._padded_sources((2,), [(1, 2)])
+    assert deps.tolist() == [-1, 0, 1, 1, 1] and index[0].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_functional_calls_are_layers_too() -> None:
