@@ -1,6 +1,6 @@
 """Attention's gradients with a non-finite value that the causal mask hides: `check_backward`
 with the second oracle accepts, per element, the reference's dense products or the value where
-hidden pairs add nothing (`kpt.testing.attention_hidden_pairs_add_nothing`), and nothing else."""
+hidden pairs add nothing (`kpt.kernels.attention.attention_hidden_pairs_add_nothing`), and nothing else."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import kpt
-from kpt.testing import CheckReport, attention_hidden_pairs_add_nothing, check_backward
+from kpt.kernels.attention import attention_hidden_pairs_add_nothing
+from kpt.testing import CheckReport, check_backward
 
 REF = kpt.get_backend("reference")
 SPEC = kpt.SPECS["attention"]

@@ -184,7 +184,7 @@ def test_each_element_may_match_either_of_two_results() -> None:
 def test_attention_may_take_its_row_sums_from_o_in_the_inputs_dtype() -> None:
     # one query, two keys of very unequal probability: dp − rowsum(dO ⊙ o) nearly cancels, and
     # FlashAttention's row sum from o rounded to bfloat16 moves dq and dk beyond the table
-    from kpt.testing import attention_rounded_o
+    from kpt.kernels.attention import attention_rounded_o
 
     tol = kpt.tolerance.default_tolerance(torch.bfloat16)
     beyond_the_table = 0
@@ -223,8 +223,7 @@ def _linear_gradients(x: torch.Tensor, w: torch.Tensor, dpre: torch.Tensor) -> d
 def test_linear_may_round_dpre_to_the_inputs_dtype() -> None:
     # dbias of five rows whose dpre nearly cancel: dpre rounded to float16 (the operand of the
     # float16 products, as eager and every fused kernel take it) moves dbias beyond the table
-    from kpt.kernels.linear import activation_grad
-    from kpt.testing import linear_rounded_dpre
+    from kpt.kernels.linear import activation_grad, linear_rounded_dpre
 
     tol = kpt.tolerance.default_tolerance(torch.float16)
     beyond_the_table = 0
@@ -257,7 +256,7 @@ def test_linear_relu_takes_its_forwards_side_of_the_kink() -> None:
     # pre-activations within the forward's rounding of 0 — a subnormal bias beside a row of zeros
     # (flushed to 0 by a kernel), one within bfloat16's rounding of its terms (a split reduction
     # rounded to bfloat16) — may take either derivative, but the one the forward's y shows
-    from kpt.testing import linear_relu_kernel_side
+    from kpt.kernels.linear import linear_relu_kernel_side
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 16, generator=g, dtype=torch.float64), torch.randn(3, 16, generator=g, dtype=torch.float64)
@@ -305,8 +304,7 @@ def test_add_rms_norm_may_round_h_to_either_neighbour() -> None:
     # rows of one element: dx = eps · rstd³ · w · dy + dh, where the two terms nearly cancel the
     # rounding of h = x + residual to bfloat16 (to nearest, as GPUs do, or towards zero, as
     # Triton's interpreter does) moves dx beyond the table
-    from kpt.kernels.rms_norm import rms_norm_backward, rms_norm_forward
-    from kpt.testing import add_rms_norm_rounded_h
+    from kpt.kernels.rms_norm import add_rms_norm_rounded_h, rms_norm_backward, rms_norm_forward
 
     tol = kpt.tolerance.default_tolerance(torch.bfloat16)
 
@@ -342,7 +340,7 @@ def test_softmax_may_take_its_gradient_from_a_rounded_y() -> None:
     # rows of two elements: the rounded probabilities need not sum to 1, and where dy_i nearly
     # equals Σ dy·y the rounding of y (to nearest, as GPUs do, or towards zero, as Triton's
     # interpreter does) moves dx = y · (dy − Σ dy·y) beyond the table
-    from kpt.testing import softmax_rounded_y
+    from kpt.kernels.softmax import softmax_rounded_y
 
     tol = kpt.tolerance.default_tolerance(torch.bfloat16)
 
@@ -374,8 +372,7 @@ def test_linear_cross_entropy_may_round_dz_before_dbias_sum() -> None:
     # two rows of two classes, reduction "none": dbias_j = Σ_i dz_ij of both signs nearly cancels,
     # and rounding dz to bfloat16 before the sum (to nearest, as GPUs do, or towards zero, as
     # Triton's interpreter does) moves it beyond the table
-    from kpt.kernels.cross_entropy import dlogits
-    from kpt.testing import linear_cross_entropy_rounded_dz
+    from kpt.kernels.cross_entropy import dlogits, linear_cross_entropy_rounded_dz
 
     tol = kpt.tolerance.default_tolerance(torch.bfloat16)
     beyond_the_table = 0

@@ -10,7 +10,8 @@ from kpt_mps import device, metal, plugin
 from kpt_mps.families import FAMILIES
 
 import kpt
-from kpt.testing import attention_hidden_pairs_add_nothing, check_backward, compare
+from kpt.kernels.attention import attention_hidden_pairs_add_nothing
+from kpt.testing import check_backward, compare
 
 
 def test_plugin_returns_one_backend():

@@ -15,7 +15,7 @@
   ``"sum"``; a vocabulary sharded across ranks goes through `cross_entropy` and
   `linear_cross_entropy` of this module.
 
-A rule is written once per kernel, for its forward op (`_RULES`); the backward op's rule is
+A rule is written once per kernel, for its forward op (its spec's `kpt.KernelSpec.sharding`); the backward op's rule is
 derived from it (a sharded input has a gradient sharded alike, a replicated input used by
 sharded work a partial-sum gradient, see `_backward_strategy`). Row statistics that a kernel
 saves for its backward (``rstd``, ``mean``) are flattened rows; they are placed ``Shard(0)``
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,168 +55,25 @@ from torch.distributed.tensor.experimental import register_sharding
 from .errors import KernelInputError, KernelNotSupportedError
 from .kernels import SPECS
 from .ops import _OPS, gradient_results
-from .spec import KernelSpec
+from .spec import PARTIAL, KernelSpec
+from .spec import Placement as SpecPlacement
 
 Placements = dict[str, Placement]
 Strategy = tuple[Placements, Placements]
-"""One way to run a kernel on shards: placements of its outputs (public then saved) and of its
-tensor inputs, by name; a tensor not named is replicated."""
+"""`kpt.spec.Strategy` in torch's placements (a dimension as ``Shard``, a partial sum as ``Partial``)."""
 
 R = Replicate()
 
 
-def _last(a: dict[str, Any], name: str) -> int:
-    return a[name].ndim - 1
+def _placement(p: SpecPlacement) -> Placement:
+    return Partial() if p == PARTIAL else Shard(p)
 
 
-def _each_dim(dims: Sequence[int], outputs: Sequence[str], inputs: Sequence[str],
-              stats: Sequence[str] = ()) -> list[Strategy]:
-    """The same dimension of ``inputs`` and ``outputs`` sharded, for each of ``dims``; the
-    flattened row statistics ``stats`` then go ``Shard(0)``."""
-    strategies: list[Strategy] = []
-    for d in dims:
-        outs: Placements = {**{o: Shard(d) for o in outputs}, **{s: Shard(0) for s in stats}}
-        ins: Placements = {i: Shard(d) for i in inputs}
-        strategies.append((outs, ins))
-    return strategies
+def forward_strategies(kernel: KernelSpec, args: dict[str, Any]) -> list[Strategy]:
+    """The forward strategies of ``kernel`` (its `KernelSpec.sharding`) in torch's placements."""
+    return [({n: _placement(p) for n, p in outs.items()}, {n: _placement(p) for n, p in ins.items()})
+            for outs, ins in kernel.sharding(args)]
 
-
-def _norm(outputs: tuple[str, ...], inputs: tuple[str, ...], stats: tuple[str, ...]) -> Callable[..., list[Strategy]]:
-    """Normalizations over the last dimension: any leading dimension sharded."""
-    return lambda a: _each_dim(range(_last(a, inputs[0])), outputs, inputs, stats)
-
-
-def _elementwise(inputs: tuple[str, ...]) -> Callable[..., list[Strategy]]:
-    return lambda a: _each_dim(range(a[inputs[0]].ndim), ("y",), inputs)
-
-
-def _softmax(a: dict[str, Any]) -> list[Strategy]:
-    dim = a["dim"] % a["x"].ndim
-    return _each_dim([d for d in range(a["x"].ndim) if d != dim], ("y",), ("x",))
-
-
-def _rope(a: dict[str, Any]) -> list[Strategy]:
-    per_sequence = a["cos"].ndim == 3  # cos and sin [B, S, D] rather than [S, D]
-    tables = ("cos", "sin")
-    batch: Placements = {"q": Shard(0), "k": Shard(0), **({t: Shard(0) for t in tables} if per_sequence else {})}
-    heads: Placements = {"q": Shard(1), "k": Shard(1)}
-    seq: Placements = {"q": Shard(2), "k": Shard(2), **{t: Shard(a["cos"].ndim - 2) for t in tables}}
-    return [({"q_out": p["q"], "k_out": p["k"]}, p) for p in (batch, heads, seq)]
-
-
-def _attention(a: dict[str, Any]) -> list[Strategy]:
-    for mesh_dim, p in enumerate(a["q"].placements):
-        n = a["q"].mesh.size(mesh_dim)
-        if p == Shard(1) and (a["q"].shape[1] % n or a["k"].shape[1] % n):
-            raise KernelNotSupportedError(
-                f"attention: query heads sharded Shard(1) over {n} ranks need query and key/value head "
-                f"counts that are multiples of {n}, got {a['q'].shape[1]} and {a['k'].shape[1]}")
-    masked = a.get("mask") is not None  # the mask [B, Hq, Sq, Skv] shards with q
-    qkv = ("q", "k", "v", "mask") if masked else ("q", "k", "v")
-    strategies = _each_dim((0, 1), ("o", "lse"), qkv)
-    if not a["causal"]:  # causal masks align queries to keys by their counts: the shard's would differ
-        strategies.append(({"o": Shard(2), "lse": Shard(2)}, {"q": Shard(2), **({"mask": Shard(2)} if masked else {})}))
-    return strategies
-
-
-def _linear(a: dict[str, Any]) -> list[Strategy]:
-    last = _last(a, "x")
-    pre = a["activation"] is not None  # the pre-activation is saved only with an activation
-    strategies: list[Strategy] = [({"y": Shard(d), **({"pre": Shard(d)} if pre else {})}, {"x": Shard(d)})
-                                   for d in range(last)]
-    strategies.append(({"y": Shard(last), **({"pre": Shard(last)} if pre else {})},
-                       {"weight": Shard(0), "bias": Shard(0)}))
-    if not pre:  # a partial sum goes through no activation; the bias is added on one rank's share
-        strategies.append(({"y": Partial()}, {"x": Shard(last), "weight": Shard(1), "bias": Partial()}))
-    return strategies
-
-
-def _fp8_linear(a: dict[str, Any]) -> list[Strategy]:
-    last = _last(a, "xq")
-    x_rows = a["x_scale"].ndim > 0  # per-row scales shard with the rows
-    w_rows = a["w_scale"].ndim > 0
-    strategies: list[Strategy] = [({"y": Shard(d)}, {"xq": Shard(d), **({"x_scale": Shard(d)} if x_rows else {})})
-                                   for d in range(last)]
-    column: Placements = {"wq": Shard(0), "bias": Shard(0), **({"w_scale": Shard(0)} if w_rows else {})}
-    strategies.append(({"y": Shard(last)}, column))
-    strategies.append(({"y": Partial()}, {"xq": Shard(last), "wq": Shard(1), "bias": Partial()}))
-    return strategies
-
-
-def _row_loss(a: dict[str, Any], rows: tuple[str, ...], per_row_saved: tuple[str, ...],
-              summed_saved: tuple[str, ...]) -> list[Strategy]:
-    """Losses sharded over rows: the loss of each row ("none") or a partial sum ("sum"); a mean
-    needs the count of every rank's counted rows, so it has no rule. Saved gradients that are
-    empty (no gradient prepared) stay replicated."""
-    if a["reduction"] == "mean":
-        return []
-    prepared = a["needs_grad"] and a["reduction"] != "none"
-    loss = Shard(0) if a["reduction"] == "none" else Partial()
-    outputs: Placements = {"loss": loss, **{s: Shard(0) for s in per_row_saved if prepared or s == "lse"}}
-    if prepared:
-        outputs.update({s: Partial() for s in summed_saved})
-    return [(outputs, {r: Shard(0) for r in rows})]
-
-
-def _cross_entropy(a: dict[str, Any]) -> list[Strategy]:
-    strategies = _row_loss(a, ("logits", "target"), (), ())
-    if strategies and a["needs_grad"]:  # dlogits is prepared for every reduction
-        strategies[0][0]["dlogits"] = Shard(0)
-    return strategies
-
-
-def _linear_cross_entropy(a: dict[str, Any]) -> list[Strategy]:
-    return _row_loss(a, ("hidden", "target"), ("dhidden", "lse"), ("dweight", "dbias"))
-
-
-def _features(outputs: tuple[str, ...], inputs: tuple[str, ...]) -> Callable[..., list[Strategy]]:
-    """MoE routing and un-routing: the hidden features (dimension 1) sharded; the routing of rows
-    (indices, offsets, order) is decided for all rows at once and stays replicated."""
-    return lambda a: _each_dim((1,), outputs, inputs)
-
-
-def _grouped_linear(a: dict[str, Any]) -> list[Strategy]:
-    return [({"y": Shard(1)}, {"weight": Shard(1)}),
-            ({"y": Partial()}, {"x_sorted": Shard(1), "weight": Shard(2)})]
-
-
-def _quantize_fp8(a: dict[str, Any]) -> list[Strategy]:
-    if a["granularity"] == "tensor":  # one scale from the whole tensor's amax
-        return []
-    return _each_dim(range(_last(a, "x")), ("xq", "scale"), ("x",))
-
-
-def _dequantize_fp8(a: dict[str, Any]) -> list[Strategy]:
-    rows = a["scale"].ndim > 0
-    strategies = _each_dim(range(_last(a, "xq")), ("y",), ("xq", "scale") if rows else ("xq",))
-    strategies.append(({"y": Shard(_last(a, "xq"))}, {"xq": Shard(_last(a, "xq"))}))
-    return strategies
-
-
-_RULES: dict[str, Callable[[dict[str, Any]], list[Strategy]]] = {
-    "rms_norm": _norm(("y",), ("x",), ("rstd",)),
-    "add_rms_norm": _norm(("y", "h"), ("x", "residual"), ("rstd",)),
-    "layer_norm": _norm(("y",), ("x",), ("mean", "rstd")),
-    "softmax": _softmax,
-    "gelu": _elementwise(("x",)),
-    "silu": _elementwise(("x",)),
-    "swiglu": _elementwise(("gate", "up")),
-    "geglu": _elementwise(("gate", "up")),
-    "rope": _rope,
-    "attention": _attention,
-    "linear": _linear,
-    "cross_entropy": _cross_entropy,
-    "linear_cross_entropy": _linear_cross_entropy,
-    "moe_gating": lambda a: _each_dim((0,), ("weights", "indices"), ("logits",)),
-    "moe_dispatch": _features(("x_sorted",), ("x",)),
-    "grouped_linear": _grouped_linear,
-    "moe_combine": _features(("y",), ("y_sorted",)),
-    "quantize_fp8": _quantize_fp8,
-    "dequantize_fp8": _dequantize_fp8,
-    "fp8_linear": _fp8_linear,
-}
-"""Each kernel's forward strategies, given its arguments by name (a tensor as DTensor's spec of
-it: ``ndim``, ``shape``, ``placements``, ``mesh``); the all-replicated strategy is implied."""
 
 _HINTS = {
     "cross_entropy": "for logits sharded over the vocabulary use kpt.distributed.cross_entropy; "
@@ -225,6 +81,8 @@ _HINTS = {
     "linear_cross_entropy": "for a weight sharded over the vocabulary use kpt.distributed.linear_cross_entropy; "
                             "over rows, reduction 'none' or 'sum'",
 }
+"""What a refused placement's error suggests: this module's vocabulary-parallel losses (kept here,
+beside the functions they name, rather than on the specs)."""
 
 
 def _names(spec: KernelSpec) -> list[str]:
@@ -290,11 +148,10 @@ def _register_kernel(op: Any, spec: KernelSpec, backward: bool) -> None:
         outputs = [spec.differentiable[taken.index(i)] for i in range(max(taken) + 1)]
     else:
         inputs, outputs = names, fwd_outputs
-    rule = _RULES[spec.name]
 
     def sharding(*values: Any) -> list[tuple[list[Placement | None], list[Placement | None]]]:
         args = dict(zip(inputs, values))
-        strategies = rule({n: args[n] for n in names})
+        strategies = forward_strategies(spec, {n: args[n] for n in names})
         if backward:
             strategies = [_backward_strategy(spec, s) for s in strategies]
         _check_placements(spec.name + ("_backward" if backward else ""), args, strategies)

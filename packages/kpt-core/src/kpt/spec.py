@@ -17,7 +17,14 @@ under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
 * ``cases`` / ``bad_inputs``: what the conformance suite runs;
 * ``check_values`` / ``bad_values``: for kernels with index-like inputs (targets, expert ids,
   offsets, permutations), the checks that read those values from the device, run only where
-  values are checked (see `checked_values`), and the out-of-range calls that exercise them.
+  values are checked (see `checked_values`), and the out-of-range calls that exercise them;
+* ``sharding``: how the kernel runs on DTensor shards (`Strategy`, used by `kpt.distributed`);
+* ``memory_bound`` and ``peers``: what benchmarks and speed bars compare the kernel with;
+* ``rounding``, ``kink`` and ``alternative_gradients``: where the conformance check
+  (`kpt.testing.check_backward`) accepts more than the float64 oracle's gradients, because the
+  contract allows a rounding, a side of a kink, or a second result.
+
+Nothing else in core lists kernels: every other table is derived from ``kpt.SPECS``.
 """
 
 from __future__ import annotations
@@ -41,6 +48,59 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfl
 
 Args = dict[str, Any]
 MakeInputs = Callable[[torch.Generator, torch.dtype], Args]
+
+PARTIAL = "partial"
+"""In a `Strategy`: a partial sum (each rank holds a share of the value, the sum of the shares)."""
+
+Placement = int | str
+"""In a `Strategy`: a dimension ``d`` (the tensor sharded over it) or `PARTIAL`."""
+
+Strategy = tuple[dict[str, Placement], dict[str, Placement]]
+"""One way to run a kernel on shards: placements of its outputs (public then saved) and of its
+tensor inputs, by name; a tensor not named is replicated. Written without torch.distributed's
+types so that the contract does not import it; `kpt.distributed` translates."""
+
+Sharding = Callable[[Args], list[Strategy]]
+"""A kernel's forward strategies, given its arguments by name (a tensor as DTensor's spec of it:
+``ndim``, ``shape``, ``placements``, ``mesh``); the all-replicated strategy is implied."""
+
+RoundingAllowance = Callable[[Args, Args, torch.dtype], dict[str, torch.Tensor]]
+"""Per-element absolute error a kernel's gradients may carry beyond the tolerance, from a rounding
+that the contract permits and a bound relative to the result cannot hold (it is amplified where
+terms cancel): called with the checked float64 arguments of the oracle, the upstream gradients
+(``d`` and the output's name) and the dtype under test, it returns float64 allowances by input
+name."""
+
+Kink = Callable[[Args, Args, Args, torch.dtype], dict[str, torch.Tensor]]
+"""A second oracle for a kernel whose derivative jumps somewhere (relu's at 0): the gradients on
+the side the backend's forward took, where its rounding allows either. Called with the oracle's
+checked arguments, the upstream gradients, the backend's forward outputs (by name) and the dtype
+under test; returns float64 gradients by input name."""
+
+AlternativeGradients = Callable[[Args, Args], dict[str, torch.Tensor]]
+"""A second oracle of a kernel's gradients, for calls where the contract allows two results (as
+attention's for a non-finite value in pairs its causal mask hides): called with the checked
+float64 arguments of the oracle and the upstream gradients, it returns float64 gradients by input
+name."""
+
+
+def no_sharding(args: Args) -> list[Strategy]:
+    """The default `Sharding`: replicated inputs only (a sharded DTensor input is refused, naming
+    its placement)."""
+    return []
+
+
+def each_dim(dims: Sequence[int], outputs: Sequence[str], inputs: Sequence[str],
+             stats: Sequence[str] = ()) -> list[Strategy]:
+    """Strategies with the same dimension of ``inputs`` and ``outputs`` sharded, one for each of
+    ``dims``; the flattened row statistics ``stats`` then go sharded over their rows (dimension 0)."""
+    return [({**{o: d for o in outputs}, **{s: 0 for s in stats}}, {i: d for i in inputs}) for d in dims]
+
+
+def leading_dims(outputs: tuple[str, ...], inputs: tuple[str, ...], stats: tuple[str, ...] = ()) -> Sharding:
+    """The `Sharding` of a kernel that reduces over the last dimension only (normalizations): any
+    leading dimension of ``inputs[0]`` sharded."""
+    return lambda a: each_dim(range(a[inputs[0]].ndim - 1), outputs, inputs, stats)
 
 
 @dataclass(frozen=True)
@@ -131,6 +191,20 @@ class KernelSpec:
     """Checks the values of index-like inputs (reading them from the device), raising
     `KernelInputError` at the first offending position; run where values are checked."""
     bad_values: Callable[[], list[BadValues]] = lambda: []
+    sharding: Sharding = no_sharding
+    """The forward op's DTensor strategies; the backward op's are derived from them."""
+    memory_bound: bool = False
+    """Moves its bytes once (norms, activations, row-wise losses, fp8 scaling): speed is held to a
+    fraction of the copy bandwidth."""
+    peers: tuple[str, ...] = ()
+    """Libraries that implement the same kernel, compared with it by `kpt.bench` (``"liger"``)."""
+    rounding: RoundingAllowance | None = None
+    """The rounding of the gradients the contract permits beyond the tolerance, and its bound."""
+    kink: Kink | None = None
+    """The second oracle at a kink of the derivative; `kpt.testing.check_backward` always uses it."""
+    alternative_gradients: AlternativeGradients | None = None
+    """The second oracle where the contract allows two results for special values; the conformance
+    fuzzing uses it for calls that hold them."""
 
     def min_bytes(self, args: Args, outputs: tuple[torch.Tensor, ...]) -> int:
         """Each tensor input read once and each public output written once."""
@@ -363,6 +437,23 @@ ROW_SHAPES: dict[str, tuple[int, ...]] = {
 """Shapes of the row-wise kernels' conformance cases: typical, then the odd sizes 1, 3, 17, 1000, 4097,
 and a row of one element, which a kernel tiled for wider rows may hold in one lane, or in every lane
 of a warp."""
+
+
+def finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its infinities and NaNs (special input values and what they reach) as 0."""
+    return torch.where(torch.isfinite(t), t, 0.0)
+
+
+def neighbors(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``dtype`` values just below and just above each element of the float64 ``t`` (both
+    ``t`` where ``dtype`` holds it; ``dtype``'s exponent range is not bounded here)."""
+    if dtype == torch.float64:
+        return t, t
+    info = torch.finfo(dtype)
+    # t = m · 2^e with 0.5 <= |m| < 1: the step of dtype in t's binade, its subnormal step below
+    step = (torch.ldexp(torch.ones_like(t), torch.frexp(t).exponent - 1) * info.eps).clamp_min(info.tiny * info.eps)
+    below = torch.floor(t / step) * step
+    return below, torch.where(below == t, t, below + step)
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:

@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .backend import Backend
-from .kernels.attention import by_chunks, probabilities, visible_keys
-from .kernels.cross_entropy import dlogits, row_grads
-from .kernels.linear import activation_grad as linear_activation_grad
-from .kernels.linear import linear_backward
-from .kernels.rms_norm import rms_norm_backward, rms_norm_forward
 from .ops import as_tuple
-from .spec import Args, KernelSpec, rows
+from .spec import AlternativeGradients, Args, KernelSpec, finite
 from .tolerance import Tolerance, default_tolerance
 
 _EXACT_FLOAT = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -85,7 +80,7 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,
             allowance: torch.Tensor | None = None) -> Comparison:
     """Compare ``out`` with the oracle ``ref`` (see `kpt.tolerance` for the rule); differences up
     to ``allowance`` (per element, in the output's units: a rounding the contract permits, see
-    `ROUNDING_ALLOWANCES`) are not counted."""
+    `KernelSpec.rounding`) are not counted."""
     if tuple(out.shape) != tuple(ref.shape):
         return Comparison(name, False, math.inf, f"{name}: shape {tuple(out.shape)} != expected {tuple(ref.shape)}")
     out, ref = out.detach(), ref.detach().to(out.device)
@@ -107,7 +102,7 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,
     scale = float(finite_r.abs().max())
     err = (err - quantum).clamp_min(0.0)
     if allowance is not None:
-        err = (err - _finite(allowance.to(err.device, torch.float64))).clamp_min(0.0)
+        err = (err - finite(allowance.to(err.device, torch.float64))).clamp_min(0.0)
     allowed = max(tol.atol * scale, tol.abs_floor) + tol.rtol * finite_r.abs()
     elem = float((err / allowed.clamp_min(torch.finfo(torch.float64).tiny)).max())
     norm_ref = float(torch.linalg.vector_norm(finite_r))
@@ -165,10 +160,10 @@ def eager_widened(tol: Tolerance, name: str, eager: torch.Tensor, ref: torch.Ten
     if not factor or not math.isfinite(worst) or factor * worst <= 1.0:
         return tol
     widened = tol.scaled(factor * worst, f"ill-conditioned: {factor:g}x eager's error in the same dtype")
-    if ref.numel() and float(_finite(ref.detach().to(torch.float64)).abs().max()) == 0:
+    if ref.numel() and float(finite(ref.detach().to(torch.float64)).abs().max()) == 0:
         # an oracle of exact zeros (a cancellation: smoothed cross-entropy of equal logits) scales no
         # bound relative to it: eager's largest error, times factor, is allowed as a floor instead
-        err = _finite(eager.detach().to(torch.float64) - ref.detach().to(eager.device, torch.float64)).abs().max()
+        err = finite(eager.detach().to(torch.float64) - ref.detach().to(eager.device, torch.float64)).abs().max()
         widened = replace(widened, abs_floor=max(widened.abs_floor, factor * float(err)))
     return widened
 
@@ -252,13 +247,6 @@ def _meta(v: Any) -> Any:
     return v.detach().to("meta") if isinstance(v, torch.Tensor) else v
 
 
-AlternativeGradients = Callable[[Args, Args], dict[str, torch.Tensor]]
-"""A second oracle of a kernel's gradients, for calls where the contract allows two results (as
-attention's for a non-finite value in pairs its causal mask hides): called with the checked
-float64 arguments of the oracle and the upstream gradients (named as for `tolerance_for`: ``do``
-for the output ``o``), it returns float64 gradients by input name."""
-
-
 def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.dtype,
                    generator: torch.Generator, tolerance_scale: float = 1.0, eager_factor: float = 0.0,
                    alternative: AlternativeGradients | None = None) -> CheckReport:
@@ -268,7 +256,7 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
 
     With ``alternative``, each element of a gradient it returns may match either oracle
     (`either`); the tolerance stays the one of the first (the reference). A kernel with a kink
-    (`KINKS`: linear's relu) is always given that second oracle: its derivative on the side of
+    (`KernelSpec.kink`: linear's relu) is always given that second oracle: its derivative on the side of
     the kink the backend's own forward output shows, where the rounding of the forward allows it."""
     report = CheckReport(spec.name)
     grad_names = [n for n in spec.differentiable if isinstance(args[n], torch.Tensor)]
@@ -301,7 +289,7 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
                    loss_response({n: o for n, o, g in zip(spec.outputs, ref_outs, grads) if g is not None},
                                  {n: g for n, g in zip(spec.outputs, grads) if g is not None}))
     eagers = _eager_grads(spec, args, grad_names, grads) if eager_factor else expected
-    rounding, kink = ROUNDING_ALLOWANCES.get(spec.name), KINKS.get(spec.name)
+    rounding, kink = spec.rounding, spec.kink
     checked = spec.check((), oracle, oracle_backend().dtypes) if alternative or rounding or kink else {}
     alternatives = {} if kink is None else kink(checked, upstream, dict(zip(spec.outputs, outs)), dtype)
     alternatives.update({} if alternative is None else alternative(checked, upstream))
@@ -317,260 +305,6 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
             e = either(g, e, alternatives[name])
         report.comparisons.append(compare(f"d{name}", g, e, tol, allowances.get(name)))
     return report
-
-
-def attention_hidden_pairs_add_nothing(args: Args, upstream: Args) -> dict[str, torch.Tensor]:
-    """Attention's gradients (float64) as if the pairs that the causal mask hides were never
-    computed: the contract's alternative to the reference's dense products for an inf or NaN met
-    only in hidden pairs (`kpt.kernels`, "Special values"), an `AlternativeGradients`.
-
-    The reference (`kpt.kernels.attention`) multiplies every (query, key) pair, so an inf or NaN of
-    a hidden key, value or score row reaches other pairs' gradients as ``0 · inf = NaN``; a tiled
-    kernel that skips hidden tiles does not. Here nothing of a hidden pair is ever multiplied into
-    a sum: p, dp and ds are exactly 0 there (``torch.where``, not a product with 0), and the sums
-    over pairs (``ds · k``, ``dsᵀ · q``, ``pᵀ · dO``, ``rowsum(p ⊙ dp)``) add elementwise products
-    selected with the mask. Grouped-query heads add into their key/value head as in the reference.
-    A query whose visible scores hold NaN or +inf has NaN gradients here too.
-
-    ``args``: the checked arguments of the oracle (q, k, v, ``causal``, ``scale``); ``upstream``:
-    ``{"do": dO}``. Its ``[.., Sq, Skv, D]`` products make it for small shapes only (the fuzzing's).
-    """
-    q, k, v, do = (t.detach().to(torch.float64) for t in (args["q"], args["k"], args["v"], upstream["do"]))
-    batch, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    grouped = (batch, hkv, hq // hkv, sq, d)  # query heads by their key/value head
-    qg, dog, kg, vg = q.reshape(grouped), do.reshape(grouped), k[:, :, None], v[:, :, None]
-    visible = visible_keys(sq, skv, args["causal"], q.device)
-    if args.get("mask") is not None:
-        visible = visible & args["mask"].reshape(grouped[:-1] + (skv,))
-    # q·kᵀ and dO·vᵀ hold one product per pair: a hidden pair's is selected away before any sum
-    s = torch.where(visible, (qg @ kg.mT) * args["scale"], -math.inf)
-    p = torch.where(visible, probabilities(s), 0.0)
-    dp = torch.where(visible, dog @ vg.mT, 0.0)
-    delta = torch.where(visible, p * dp, 0.0).sum(-1, keepdim=True)
-    ds = torch.where(visible, p * (dp - delta), 0.0)
-
-    def pair_sum(weights: torch.Tensor, rows: torch.Tensor, over: int) -> torch.Tensor:
-        # Σ over keys (over=-2: rows of k) or queries (over=-3: rows of q, dO) of weights[i, j] · rows
-        rows = rows[..., None, :, :] if over == -2 else rows[..., :, None, :]
-        return torch.where(visible[..., None], weights[..., None] * rows, 0.0).sum(over)
-
-    dq = pair_sum(ds, kg, -2) * args["scale"]
-    dk = pair_sum(ds, qg, -3).sum(2) * args["scale"]
-    dv = pair_sum(p, dog, -3).sum(2)
-    return {"q": dq.reshape(q.shape), "k": dk, "v": dv}
-
-
-def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Attention's `RoundingAllowance`: what FlashAttention's ``rowsum(dO ⊙ o)``, taken from ``o``
-    in the inputs' ``dtype``, typically moves dq and dk by (`kpt.tolerance`).
-
-    ``o`` carries the rounding of p before ``p · v`` and its own, up to ``u · (|o| + p · |v|)`` per
-    element (u the unit roundoff of ``dtype``); rounding errors of independent signs add in
-    quadrature, so query i's row sum errs by about ``ε_i = u · ‖dO_i ⊙ (|o_i| + (p·|v|)_i)‖₂``.
-    Every ``ds_ij = p_ij (dp_ij − rowsum_i)`` then moves by ``−p_ij ε_i``: dq_i by
-    ``scale · ε_i · (p·k)_i`` (one direction), dk_j by ``scale · Σ_i p_ij ε_i q_i`` (in quadrature
-    over i). Where dp_ij and the row sum nearly cancel (two keys of very unequal probability) that
-    is far above the tolerance's share of the gradient; elsewhere it is a small part of it. Float64
-    from the oracle's arguments (the checked q, k, v, ``causal``, ``scale``) and ``{"do": dO}``."""
-    u, scale = torch.finfo(dtype).eps / 2, args["scale"]
-
-    def rounded(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        batch, hq, sq, d = q.shape
-        hkv, skv = k.shape[1], k.shape[2]
-        grouped = (batch, hkv, hq // hkv, sq, d)
-        v = rest[-1]
-        qg, dog, kg, vg = (_finite(t) for t in (q.reshape(grouped), do.reshape(grouped), k[:, :, None], v[:, :, None]))
-        visible = visible_keys(sq, skv, args["causal"], q.device)
-        if len(rest) == 2:  # the mask, sliced with q
-            visible = visible & rest[0].reshape(batch, hkv, hq // hkv, sq, skv)
-        s = torch.where(visible, (qg @ kg.mT) * scale, -math.inf)
-        p = _finite(probabilities(s))
-        eps = u * torch.linalg.vector_norm(dog * ((p @ vg).abs() + p @ vg.abs()), dim=-1, keepdim=True)
-        dq = scale * eps * (p @ kg).abs()
-        dk = scale * ((p * eps).square().mT @ qg.square()).sum(2).sqrt()
-        return dq.reshape(q.shape), dk
-
-    # by batch entries and key/value heads, as the reference's attention: [.., Sq, Skv] scores in float64
-    q, k, v, do = (t.detach().to(torch.float64) for t in (args["q"], args["k"], args["v"], upstream["do"]))
-    mask = () if args.get("mask") is None else (args["mask"],)
-    dq, dk = by_chunks(rounded, q, k, do, *mask, per_key=(v,))
-    return {"q": dq, "k": dk}
-
-
-def _rounded_operand(d: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What rounding ``d`` ``[M, N]`` to ``dtype`` before the products ``d · w`` (``w``: ``[N, K]``)
-    and ``dᵀ · x`` (``x``: ``[M, K]``) and the column sums ``Σ_i d_ij`` moves those three by.
-
-    Each element of ``d`` carries up to ``u · |d|`` (u the unit roundoff of ``dtype``), a rounding
-    of standard deviation at most ``u · |d| / √3``; a sum of such terms moves by at most the sum of
-    their bounds and, their signs independent, by three standard deviations of the sum at most
-    ``√3 · u · ‖terms‖₂``: the smaller of the two. Far beyond a bound relative to the result where
-    its terms nearly cancel (the column sum of a few rows), a small part of it elsewhere."""
-    e = torch.finfo(dtype).eps / 2 * d.abs()
-
-    def summed(bounds: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
-        # a sum of roundings: the sum of their bounds, or three deviations if that is less
-        return torch.minimum(bounds, math.sqrt(3) * squares.sqrt())
-
-    return (summed(e @ w.abs(), e.square() @ w.square()), summed(e.T @ x.abs(), e.square().T @ x.square()),
-            summed(e.sum(0), e.square().sum(0)))
-
-
-def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Linear's `RoundingAllowance`: what rounding ``dpre = dy ⊙ act'(pre)`` to the inputs'
-    ``dtype`` (the operand of the products ``dx = dpre · weight`` and ``dweight = dpreᵀ · x`` in
-    that dtype, and of dbias's sum) moves the gradients by (`kpt.tolerance`), bounded as
-    `_rounded_operand` does.
-
-    Float64 from the oracle's checked arguments (x, weight, bias, activation) and ``{"dy": dy}``."""
-    x, w = (_finite(t.detach().to(torch.float64)) for t in (rows(args["x"]), args["weight"]))
-    dy = _finite(rows(upstream["dy"]).detach().to(torch.float64))
-    bias, activation = args["bias"], args["activation"]
-    pre = x @ w.T + (0.0 if bias is None else _finite(bias.detach().to(torch.float64)))
-    dpre = dy if activation is None else _finite(dy * linear_activation_grad(activation)(pre))
-    dx, dw, db = _rounded_operand(dpre, x, w, dtype)
-    allowance = {"x": dx.reshape(args["x"].shape), "weight": dw}
-    return allowance if bias is None else {**allowance, "bias": db}
-
-
-def linear_cross_entropy_rounded_dz(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """linear_cross_entropy's `RoundingAllowance`: what rounding the logits' gradient
-    ``dz = g · (softmax(z) − onehot)`` to the inputs' ``dtype`` (the operand of the products
-    ``dhidden = dz · weight`` and ``dweight = dzᵀ · hidden`` in that dtype, and of dbias's sum, as
-    linear's ``dpre``) moves the gradients by, bounded as `_rounded_operand` does.
-
-    Float64 from the oracle's checked arguments (hidden, weight, target, bias, ignore_index,
-    reduction) and ``{"dloss": dloss}``."""
-    h, w = (_finite(args[n].detach().to(torch.float64)) for n in ("hidden", "weight"))
-    bias, target, ignore_index = args["bias"], args["target"].to(h.device), args["ignore_index"]
-    z = h @ w.T + (0.0 if bias is None else _finite(bias.detach().to(torch.float64)))
-    kept = target != ignore_index
-    row_grad = _finite(row_grads(upstream["dloss"].detach().to(h.device), target, ignore_index, args["reduction"],
-                                 torch.float64))
-    dz = _finite(dlogits(z, target, torch.logsumexp(z, -1), 0.0, row_grad, kept))
-    dh, dw, db = _rounded_operand(dz, torch.where(kept[:, None], h, 0.0), w, dtype)
-    allowance = {"hidden": dh, "weight": dw}
-    return allowance if bias is None else {**allowance, "bias": db}
-
-
-def linear_relu_kernel_side(args: Args, upstream: Args, outputs: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Linear's second oracle for relu (`KINKS`): the gradients with relu' taken on the side of 0
-    that the backend's own forward shows (``y > 0``) wherever the oracle's pre-activation lies
-    within the forward's rounding of 0, the oracle's relu' elsewhere (float64).
-
-    relu' jumps from 0 to 1 at 0, so a pre-activation that the forward's rounding can move across
-    0 may take either derivative — but the backward must take the one its forward took. That
-    rounding is ``K · u_acc · Σ_k |x_ik · weight_jk|`` for float32 accumulation (u_acc of float64
-    for float64), plus ``u · Σ_k |x_ik · weight_jk|`` for 16-bit inputs (u of ``dtype``), whose
-    products may round the partial sums of a split reduction to the inputs' dtype (cuBLAS under
-    torch's default ``allow_bf16_reduced_precision_reduction``), and below float32's smallest
-    normal (flushed) or the dtype's smallest subnormal (rounded to 0) any value may land on 0.
-    ``args``: the oracle's checked x, weight, bias, activation; ``upstream``: ``{"dy": dy}``;
-    ``outputs``: the backend's ``{"y": y}``. Empty for every other activation."""
-    if args["activation"] != "relu":
-        return {}
-    x, w, dy = (t.detach().to(torch.float64) for t in (rows(args["x"]), args["weight"], rows(upstream["dy"])))
-    bias = args["bias"]
-    pre = x @ w.T + (0.0 if bias is None else bias.detach().to(torch.float64))
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    u = torch.finfo(acc).eps / 2 * x.shape[-1] + (torch.finfo(dtype).eps / 2 if dtype.itemsize == 2 else 0.0)
-    zero = max(torch.finfo(acc).tiny, torch.finfo(dtype).tiny * torch.finfo(dtype).eps)
-    near = pre.abs() <= u * (_finite(x).abs() @ _finite(w).abs().T) + zero
-    kernel_side = rows(outputs["y"]).detach().to(pre.device, torch.float64) > 0
-    dpre = dy * torch.where(near, kernel_side, ~(pre <= 0))  # relu'(NaN) = 1, as the reference's
-    # the reference's backward from that dpre (no activation left to apply)
-    dx, dweight, dbias = linear_backward(args["x"].detach().to(torch.float64), w,
-                                         None if bias is None else bias.detach().to(torch.float64),
-                                         None, pre, pre, dpre)
-    grads = {"x": dx, "weight": dweight}
-    return grads if bias is None else {**grads, "bias": dbias}
-
-
-def add_rms_norm_rounded_h(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """add_rms_norm's `RoundingAllowance`: what rounding ``h = x + residual`` to the inputs'
-    ``dtype`` before normalizing it (the contract's ``h``, which the oracle holds exactly) moves the
-    gradients by, elementwise: the larger change of the reference's float64 gradients when ``h`` is
-    either of the two ``dtype`` values around the exact sum (GPUs round to nearest; Triton's
-    interpreter truncates).
-
-    ``dx`` (= ``dresidual``) is ``w · dy · rstd`` less a correction, plus the gradient of the ``h``
-    output; where those terms nearly cancel (a row of one element, whose ``dx`` is
-    ``eps · rstd³ · w · dy + dh``), the rounding of ``h`` moves it far beyond a bound relative to the
-    result (3% of a bfloat16 ``dx``); elsewhere it is a small part of the tolerance."""
-    x, residual = (_finite(args[n].detach().to(torch.float64)) for n in ("x", "residual"))
-    weight, eps = args["weight"], args["eps"]
-    weight = None if weight is None else _finite(weight.detach().to(torch.float64))
-    dy = _finite(upstream["dy"].detach().to(torch.float64))
-    exact = x + residual
-
-    def grads(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, rstd = rms_norm_forward(h, weight, eps)
-        return rms_norm_backward(h, weight, eps, y, rstd, dy)
-
-    dx, dw = grads(exact)
-    (dx_below, dw_below), (dx_above, dw_above) = (grads(h) for h in _neighbors(exact, dtype))
-    moved = torch.maximum((dx_below - dx).abs(), (dx_above - dx).abs())
-    allowance = {"x": moved, "residual": moved}
-    return allowance if weight is None else {
-        **allowance, "weight": torch.maximum((dw_below - dw).abs(), (dw_above - dw).abs())}
-
-
-def softmax_rounded_y(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """softmax's `RoundingAllowance`: what taking ``dx = y · (dy − Σ_dim dy · y)`` from the saved
-    output ``y`` in the inputs' ``dtype`` (either neighbour of the exact probability: GPUs round to
-    nearest, Triton's interpreter truncates), which the oracle holds exact, moves dx by.
-
-    With ``|ŷ_j − y_j| ≤ δ_j``, the step of ``dtype`` at ``y_j``, ``dx_i`` moves by at most
-    ``δ_i · |dy_i − Σ_j y_j dy_j| + (y_i + δ_i) · Σ_j δ_j |dy_j|``. The rounded probabilities of a
-    short row need not sum to 1: where ``dy_i`` nearly equals the row's ``Σ_j y_j dy_j`` (two
-    probabilities far apart) that is far above the tolerance's share of dx; elsewhere it is about
-    one step of ``dtype`` relative to dx."""
-    dim = args["dim"]
-    y = _finite(torch.softmax(args["x"].detach().to(torch.float64), dim))
-    dy = _finite(upstream["dy"].detach().to(torch.float64).to(y.device))
-    below, above = _neighbors(y, dtype)
-    step = above - below
-    dot = (y * dy).sum(dim, keepdim=True)
-    return {"x": step * (dy - dot).abs() + (y + step) * (step * dy.abs()).sum(dim, keepdim=True)}
-
-
-def _neighbors(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``dtype`` values just below and just above each element of the float64 ``t`` (both
-    ``t`` where ``dtype`` holds it; ``dtype``'s exponent range is not bounded here)."""
-    if dtype == torch.float64:
-        return t, t
-    info = torch.finfo(dtype)
-    # t = m · 2^e with 0.5 <= |m| < 1: the step of dtype in t's binade, its subnormal step below
-    step = (torch.ldexp(torch.ones_like(t), torch.frexp(t).exponent - 1) * info.eps).clamp_min(info.tiny * info.eps)
-    below = torch.floor(t / step) * step
-    return below, torch.where(below == t, t, below + step)
-
-
-RoundingAllowance = Callable[[Args, Args, torch.dtype], dict[str, torch.Tensor]]
-"""Per-element absolute error a kernel's gradients may carry beyond the tolerance, from a rounding
-that the contract permits and a bound relative to the result cannot hold (it is amplified where
-terms cancel): called with the checked float64 arguments of the oracle, the upstream gradients
-and the dtype under test, it returns float64 allowances by input name."""
-
-ROUNDING_ALLOWANCES: dict[str, RoundingAllowance] = {
-    "attention": attention_rounded_o, "linear": linear_rounded_dpre, "add_rms_norm": add_rms_norm_rounded_h,
-    "softmax": softmax_rounded_y, "linear_cross_entropy": linear_cross_entropy_rounded_dz}
-"""The kernels whose gradients `check_backward` allows a contract-permitted rounding, and its bound:
-attention's row sums from a rounded ``o``, linear's rounded ``dpre``, add_rms_norm's rounded ``h``,
-softmax's rounded ``y``, linear_cross_entropy's rounded ``dz``."""
-
-KINKS: dict[str, Callable[[Args, Args, Args, torch.dtype], dict[str, torch.Tensor]]] = {
-    "linear": linear_relu_kernel_side}
-"""The kernels whose derivative jumps somewhere (relu's at 0), and their second oracle: the side
-the backend's forward took, where its rounding allows either; `check_backward` always uses it.
-Called with the oracle's checked arguments, the upstream gradients, the backend's forward outputs
-(by name) and the dtype under test."""
-
-ALTERNATIVE_GRADIENTS: dict[str, AlternativeGradients] = {"attention": attention_hidden_pairs_add_nothing}
-"""The kernels whose gradients with special values the contract allows two ways, and the second
-oracle of each (`check_backward`'s ``alternative``): attention's causal mask."""
 
 
 def _eager_grads(spec: KernelSpec, args: Args, grad_names: Sequence[str],
@@ -589,18 +323,13 @@ def loss_response(inputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor
     row (the last dimension) of one input, ``max_x max_row Σ_row |x · dL/dx|`` (float64, over the
     finite terms): the scale of what the gradients are for. Given the outputs ``y`` and their
     upstream gradients ``dy``, the largest row of ``Σ |dy · y|``: the loss's own scale."""
-    return max((float(_row_sums(_finite(inputs[n].detach().to(torch.float64) * g)).max())
+    return max((float(_row_sums(finite(inputs[n].detach().to(torch.float64) * g)).max())
                 for n, g in grads.items() if g.numel()), default=0.0)
 
 
 def _row_sums(t: torch.Tensor) -> torch.Tensor:
     """Σ|t| over each row (the last dimension; a tensor of fewer than two dimensions is one row)."""
     return t.abs().reshape(-1, t.shape[-1] if t.dim() > 1 else max(t.numel(), 1)).sum(-1)
-
-
-def _finite(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its infinities and NaNs (special input values and what they reach) as 0."""
-    return torch.where(torch.isfinite(t), t, 0.0)
 
 
 def gradient_floor(tol: Tolerance, response: float, x: torch.Tensor, ref: torch.Tensor,
@@ -620,13 +349,13 @@ def gradient_floor(tol: Tolerance, response: float, x: torch.Tensor, ref: torch.
     resolvable gradient (attention scores ×1e-3 make dq small) is still held to its own scale."""
     if ref.numel() == 0:
         return tol
-    rows = _row_sums(_finite(x.detach().to(torch.float64)))
+    rows = _row_sums(finite(x.detach().to(torch.float64)))
     mean_row = float(rows.mean())
     if mean_row == 0:
         return tol
     scale = response / mean_row
     u = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
-    if float(_finite(ref.abs()).max()) > u * scale or tol.atol * scale <= tol.abs_floor:
+    if float(finite(ref.abs()).max()) > u * scale or tol.atol * scale <= tol.abs_floor:
         return tol
     return replace(tol, abs_floor=tol.atol * scale,
                    reason=f"{tol.reason}; oracle (nearly) all zeros: at least {tol.atol * scale:.3g}")

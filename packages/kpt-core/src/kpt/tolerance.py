@@ -22,20 +22,20 @@ gets the floor ``atol · S``, S taken from the inputs' magnitudes and the loss r
 the worst error over tolerance (`kpt.testing.eager_widened`).
 
 Roundings the contract permits are allowed per element besides, as their bound
-(`kpt.testing.ROUNDING_ALLOWANCES`), each far more than the tolerance where terms nearly cancel:
+(each spec's `kpt.KernelSpec.rounding`), each far more than the tolerance where terms nearly cancel:
 attention's backward may take ``rowsum(p ⊙ dp)`` as ``rowsum(dO ⊙ o)`` from ``o`` in the inputs'
-dtype (as FlashAttention does), which moves dq and dk (`kpt.testing.attention_rounded_o`);
+dtype (as FlashAttention does), which moves dq and dk (`kpt.kernels.attention.attention_rounded_o`);
 linear's backward may round ``dpre = dy ⊙ act'(pre)`` to the inputs' dtype (the operand of its
-products, as eager does), which moves dx, dweight and dbias (`kpt.testing.linear_rounded_dpre`),
+products, as eager does), which moves dx, dweight and dbias (`kpt.kernels.linear.linear_rounded_dpre`),
 and linear_cross_entropy's backward may round its logits' gradient ``dz`` the same way
-(`kpt.testing.linear_cross_entropy_rounded_dz`);
+(`kpt.kernels.cross_entropy.linear_cross_entropy_rounded_dz`);
 add_rms_norm normalizes ``h = x + residual`` rounded to the inputs' dtype (to either neighbour of
-the exact sum), which moves dx and dresidual (`kpt.testing.add_rms_norm_rounded_h`); softmax's
+the exact sum), which moves dx and dresidual (`kpt.kernels.rms_norm.add_rms_norm_rounded_h`); softmax's
 backward takes ``y`` in the inputs' dtype (the saved output), whose rounded probabilities need not
-sum to 1, which moves dx (`kpt.testing.softmax_rounded_y`).
+sum to 1, which moves dx (`kpt.kernels.softmax.softmax_rounded_y`).
 Where a derivative jumps (relu's at 0), a pre-activation within the forward's rounding of the
 jump may take either derivative, the one its own forward output shows
-(`kpt.testing.linear_relu_kernel_side`, `kpt.testing.KINKS`).
+(`kpt.kernels.linear.linear_relu_kernel_side`, `kpt.KernelSpec.kink`).
 
 Differences up to the output dtype's spacing near zero (``finfo.tiny * finfo.eps``: float16's
 subnormal step, 6e-8) are not counted: no result stored in that dtype can be closer. Integer

@@ -219,6 +219,8 @@ def weight_roundings(fan_in: int) -> float:
     """
     return WEIGHT_SIGMAS * math.sqrt(fan_in / 3)
 
+# Not a `kpt.KernelSpec` field: these count the roundings of this simulator's own fixed-point
+# designs (their declared intermediates, guard bits and lookup tables), not a fact of the contract.
 ROUNDINGS = {
     "rms_norm": 8, "add_rms_norm": 8, "layer_norm": 8, "softmax": 4, "gelu": 6, "silu": 6, "swiglu": 8,
     "geglu": 8, "rope": 4, "cross_entropy": 8, "moe_combine": 8,

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import activations, attention, cross_entropy, fp8, layer_norm, linear, moe, rms_norm, rope, softmax
+from kpt.kernels import family_modules
 
-FAMILIES = (rms_norm, layer_norm, softmax, activations, rope, attention, linear, cross_entropy, moe, fp8)
+FAMILIES = family_modules("kpt_mps")

@@ -39,10 +39,6 @@ import kpt
 Table = Mapping[str, Mapping[str, Any]]
 """Tuning keywords per launcher name, for one architecture."""
 
-MEMORY_BOUND = ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "gelu", "silu", "swiglu", "geglu", "rope",
-                "cross_entropy", "quantize_fp8", "dequantize_fp8")
-"""Kernels that move their bytes once: the forward promises a fraction of the copy bandwidth."""
-
 SAME_WORK_AS_EAGER = ("linear", "fp8_linear")
 """Kernels whose eager version calls the same vendor GEMM: they promise the matmul rate."""
 
@@ -158,7 +154,7 @@ class TritonBackend(kpt.Backend):
         themselves are tracked by the benchmark (`python -m kpt.bench`), not by these bars."""
         if kernel in SAME_WORK_AS_EAGER:
             return kpt.PerfBar(min_ceiling_fraction=0.8)
-        if kernel in MEMORY_BOUND:
+        if kpt.SPECS[kernel].memory_bound:  # moves its bytes once: a fraction of the copy bandwidth
             return kpt.PerfBar(min_speedup=2.0, min_ceiling_fraction=0.6 if mode == "fwd" else None)
         return kpt.PerfBar(min_speedup=1.0)
 

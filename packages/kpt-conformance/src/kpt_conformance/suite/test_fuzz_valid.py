@@ -23,7 +23,7 @@ open (a sum's order is not fixed). No input may change. The
 gradients of the differentiable kernels are checked as well, also with special values
 (`SPECIAL_GRADIENTS`); attention's may match, per element, either the reference's dense products or
 a second oracle in which the pairs its causal mask hides add nothing
-(`kpt.testing.ALTERNATIVE_GRADIENTS`). A valid call that the backend does not support may raise
+(`kpt.KernelSpec.alternative_gradients`). A valid call that the backend does not support may raise
 `kpt.KernelNotSupportedError`.
 
 Bounded by ``--kpt-fuzz-valid-examples`` calls per kernel (CI runs the default; ``nox -s fuzz``
@@ -45,7 +45,6 @@ import kpt
 from kpt.ops import as_tuple
 from kpt.spec import transposed
 from kpt.testing import (
-    ALTERNATIVE_GRADIENTS,
     check_backward,
     compare,
     eager_widened,
@@ -394,7 +393,7 @@ def _check(backend: kpt.Backend, spec: kpt.KernelSpec, device: torch.device, cal
     if outs and (special is None or special in SPECIAL_GRADIENTS) and backward and not problems:
         report = check_backward(backend, spec, args, dtype, torch.Generator().manual_seed(grad_seed),
                                 eager_factor=EAGER_FACTOR,
-                                alternative=ALTERNATIVE_GRADIENTS.get(spec.name) if special else None)
+                                alternative=spec.alternative_gradients if special else None)
         problems += [f"backward: {report.message}"] if not report.ok else []
     assert not problems, f"{_describe(spec, dtype, special, args)}: {'; '.join(problems)}"
 

@@ -44,9 +44,27 @@ values); a backend whose number format has no special values (a fixed-point desi
 
 from __future__ import annotations
 
+import importlib
+import types
+
 from ..spec import KernelSpec
 from . import activations, attention, cross_entropy, fp8, layer_norm, linear, moe, rms_norm, rope, softmax
 
-FAMILIES = (rms_norm, layer_norm, softmax, activations, rope, attention, linear, cross_entropy, moe, fp8)
+FAMILIES: tuple[types.ModuleType, ...] = (
+    rms_norm, layer_norm, softmax, activations, rope, attention, linear, cross_entropy, moe, fp8)
+"""The kernel families, one module each, in the contract's order: the one list of them."""
 
 SPECS: dict[str, KernelSpec] = {spec.name: spec for family in FAMILIES for spec in family.SPECS}
+
+
+def family_name(spec: KernelSpec) -> str:
+    """The family of a kernel: the name of the module that defines its spec (``rms_norm`` for
+    ``add_rms_norm``), which names its module in every backend package too."""
+    return spec.forward.__module__.rpartition(".")[2]
+
+
+def family_modules(package: str) -> tuple[types.ModuleType, ...]:
+    """``package``'s module of each kernel family (``<package>.rms_norm``...), in the order of
+    `SPECS`: how a backend that keeps one module per family finds its bodies."""
+    names = dict.fromkeys(family_name(spec) for spec in SPECS.values())
+    return tuple(importlib.import_module(f"{package}.{name}") for name in names)

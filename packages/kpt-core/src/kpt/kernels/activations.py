@@ -23,7 +23,19 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases
+from ..spec import (
+    Args,
+    BadInput,
+    Case,
+    Check,
+    KernelSpec,
+    Sharding,
+    compute_dtype,
+    each_dim,
+    identity,
+    randn,
+    row_cases,
+)
 
 APPROXIMATIONS = ("none", "tanh")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -276,6 +288,11 @@ def _bad_inputs(kernel: str) -> Callable[[], list[BadInput]]:
     return bad
 
 
+def _elementwise(inputs: tuple[str, ...]) -> Sharding:
+    """Any dimension sharded, the same in every input and the output."""
+    return lambda a: each_dim(range(a[inputs[0]].ndim), ("y",), inputs)
+
+
 GELU = KernelSpec(
     name="gelu",
     signature=gelu,
@@ -289,6 +306,8 @@ GELU = KernelSpec(
     cases=_cases(_make_x(approximate="none"), gated=False,
                  alternative=("tanh", _make_x(approximate="tanh"))),
     bad_inputs=_bad_inputs("gelu"),
+    sharding=_elementwise(("x",)),
+    memory_bound=True,
 )
 
 SILU = KernelSpec(
@@ -303,6 +322,8 @@ SILU = KernelSpec(
     flops=_per_element(4.0, "x"),
     cases=_cases(_make_x(), gated=False),
     bad_inputs=_bad_inputs("silu"),
+    sharding=_elementwise(("x",)),
+    memory_bound=True,
 )
 
 SWIGLU = KernelSpec(
@@ -316,6 +337,8 @@ SWIGLU = KernelSpec(
     flops=_per_element(5.0, "gate"),
     cases=_cases(_make_gated(), gated=True),
     bad_inputs=_bad_inputs("swiglu"),
+    sharding=_elementwise(("gate", "up")),
+    memory_bound=True,
 )
 
 GEGLU = KernelSpec(
@@ -330,6 +353,8 @@ GEGLU = KernelSpec(
     cases=_cases(_make_gated(approximate="tanh"), gated=True,
                  alternative=("none", _make_gated(approximate="none"))),
     bad_inputs=_bad_inputs("geglu"),
+    sharding=_elementwise(("gate", "up")),
+    memory_bound=True,
 )
 
 SPECS = (GELU, SILU, SWIGLU, GEGLU)

@@ -20,6 +20,7 @@ Backward, with dO the gradient of o:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, Optional
@@ -27,7 +28,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, randn
+from ..errors import KernelNotSupportedError
+from ..spec import Args, BadInput, Case, Check, KernelSpec, Strategy, compute_dtype, each_dim, finite, randn
 
 HEAD_DIMS = (16, 256)
 """The smallest and largest head dimension of the contract."""
@@ -373,6 +375,102 @@ def _bad_inputs() -> list[BadInput]:
     ]
 
 
+def attention_hidden_pairs_add_nothing(args: Args, upstream: Args) -> dict[str, torch.Tensor]:
+    """Attention's gradients (float64) as if the pairs that the causal mask hides were never
+    computed: the contract's alternative to the reference's dense products for an inf or NaN met
+    only in hidden pairs (`kpt.kernels`, "Special values"), an `AlternativeGradients`.
+
+    The reference (`kpt.kernels.attention`) multiplies every (query, key) pair, so an inf or NaN of
+    a hidden key, value or score row reaches other pairs' gradients as ``0 · inf = NaN``; a tiled
+    kernel that skips hidden tiles does not. Here nothing of a hidden pair is ever multiplied into
+    a sum: p, dp and ds are exactly 0 there (``torch.where``, not a product with 0), and the sums
+    over pairs (``ds · k``, ``dsᵀ · q``, ``pᵀ · dO``, ``rowsum(p ⊙ dp)``) add elementwise products
+    selected with the mask. Grouped-query heads add into their key/value head as in the reference.
+    A query whose visible scores hold NaN or +inf has NaN gradients here too.
+
+    ``args``: the checked arguments of the oracle (q, k, v, ``causal``, ``scale``); ``upstream``:
+    ``{"do": dO}``. Its ``[.., Sq, Skv, D]`` products make it for small shapes only (the fuzzing's).
+    """
+    q, k, v, do = (t.detach().to(torch.float64) for t in (args["q"], args["k"], args["v"], upstream["do"]))
+    batch, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    grouped = (batch, hkv, hq // hkv, sq, d)  # query heads by their key/value head
+    qg, dog, kg, vg = q.reshape(grouped), do.reshape(grouped), k[:, :, None], v[:, :, None]
+    visible = visible_keys(sq, skv, args["causal"], q.device)
+    if args.get("mask") is not None:
+        visible = visible & args["mask"].reshape(grouped[:-1] + (skv,))
+    # q·kᵀ and dO·vᵀ hold one product per pair: a hidden pair's is selected away before any sum
+    s = torch.where(visible, (qg @ kg.mT) * args["scale"], -math.inf)
+    p = torch.where(visible, probabilities(s), 0.0)
+    dp = torch.where(visible, dog @ vg.mT, 0.0)
+    delta = torch.where(visible, p * dp, 0.0).sum(-1, keepdim=True)
+    ds = torch.where(visible, p * (dp - delta), 0.0)
+
+    def pair_sum(weights: torch.Tensor, rows: torch.Tensor, over: int) -> torch.Tensor:
+        # Σ over keys (over=-2: rows of k) or queries (over=-3: rows of q, dO) of weights[i, j] · rows
+        rows = rows[..., None, :, :] if over == -2 else rows[..., :, None, :]
+        return torch.where(visible[..., None], weights[..., None] * rows, 0.0).sum(over)
+
+    dq = pair_sum(ds, kg, -2) * args["scale"]
+    dk = pair_sum(ds, qg, -3).sum(2) * args["scale"]
+    dv = pair_sum(p, dog, -3).sum(2)
+    return {"q": dq.reshape(q.shape), "k": dk, "v": dv}
+
+
+def attention_rounded_o(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Attention's `RoundingAllowance`: what FlashAttention's ``rowsum(dO ⊙ o)``, taken from ``o``
+    in the inputs' ``dtype``, typically moves dq and dk by (`kpt.tolerance`).
+
+    ``o`` carries the rounding of p before ``p · v`` and its own, up to ``u · (|o| + p · |v|)`` per
+    element (u the unit roundoff of ``dtype``); rounding errors of independent signs add in
+    quadrature, so query i's row sum errs by about ``ε_i = u · ‖dO_i ⊙ (|o_i| + (p·|v|)_i)‖₂``.
+    Every ``ds_ij = p_ij (dp_ij − rowsum_i)`` then moves by ``−p_ij ε_i``: dq_i by
+    ``scale · ε_i · (p·k)_i`` (one direction), dk_j by ``scale · Σ_i p_ij ε_i q_i`` (in quadrature
+    over i). Where dp_ij and the row sum nearly cancel (two keys of very unequal probability) that
+    is far above the tolerance's share of the gradient; elsewhere it is a small part of it. Float64
+    from the oracle's arguments (the checked q, k, v, ``causal``, ``scale``) and ``{"do": dO}``."""
+    u, scale = torch.finfo(dtype).eps / 2, args["scale"]
+
+    def rounded(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch, hq, sq, d = q.shape
+        hkv, skv = k.shape[1], k.shape[2]
+        grouped = (batch, hkv, hq // hkv, sq, d)
+        v = rest[-1]
+        qg, dog, kg, vg = (finite(t) for t in (q.reshape(grouped), do.reshape(grouped), k[:, :, None], v[:, :, None]))
+        visible = visible_keys(sq, skv, args["causal"], q.device)
+        if len(rest) == 2:  # the mask, sliced with q
+            visible = visible & rest[0].reshape(batch, hkv, hq // hkv, sq, skv)
+        s = torch.where(visible, (qg @ kg.mT) * scale, -math.inf)
+        p = finite(probabilities(s))
+        eps = u * torch.linalg.vector_norm(dog * ((p @ vg).abs() + p @ vg.abs()), dim=-1, keepdim=True)
+        dq = scale * eps * (p @ kg).abs()
+        dk = scale * ((p * eps).square().mT @ qg.square()).sum(2).sqrt()
+        return dq.reshape(q.shape), dk
+
+    # by batch entries and key/value heads, as the reference's attention: [.., Sq, Skv] scores in float64
+    q, k, v, do = (t.detach().to(torch.float64) for t in (args["q"], args["k"], args["v"], upstream["do"]))
+    mask = () if args.get("mask") is None else (args["mask"],)
+    dq, dk = by_chunks(rounded, q, k, do, *mask, per_key=(v,))
+    return {"q": dq, "k": dk}
+
+
+def _sharding(a: Args) -> list[Strategy]:
+    """Batch or heads sharded (query and key/value heads together, each count a multiple of the
+    ranks), and query positions when not causal; a mask shards with q."""
+    for mesh_dim, p in enumerate(a["q"].placements):
+        n = a["q"].mesh.size(mesh_dim)
+        if p.is_shard(1) and (a["q"].shape[1] % n or a["k"].shape[1] % n):
+            raise KernelNotSupportedError(
+                f"attention: query heads sharded Shard(1) over {n} ranks need query and key/value head "
+                f"counts that are multiples of {n}, got {a['q'].shape[1]} and {a['k'].shape[1]}")
+    masked = a.get("mask") is not None  # the mask [B, Hq, Sq, Skv]
+    qkv = ("q", "k", "v", "mask") if masked else ("q", "k", "v")
+    strategies = each_dim((0, 1), ("o", "lse"), qkv)
+    if not a["causal"]:  # causal masks align queries to keys by their counts: the shard's would differ
+        strategies.append(({"o": 2, "lse": 2}, {"q": 2, **({"mask": 2} if masked else {})}))
+    return strategies
+
+
 ATTENTION = KernelSpec(
     name="attention",
     signature=attention,
@@ -385,6 +483,9 @@ ATTENTION = KernelSpec(
     flops=_flops,
     cases=_cases,
     bad_inputs=_bad_inputs,
+    sharding=_sharding,
+    rounding=attention_rounded_o,
+    alternative_gradients=attention_hidden_pairs_add_nothing,
 )
 
 SPECS = (ATTENTION,)

@@ -35,19 +35,24 @@ import torch
 from torch import Tensor
 
 from ..spec import (
+    PARTIAL,
     Args,
     BadInput,
     BadValues,
     Case,
     Check,
     KernelSpec,
+    Placement,
+    Strategy,
     compute_dtype,
+    finite,
     identity,
     randn,
     row_cases,
     strided,
     transposed,
 )
+from .linear import rounded_operand
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -477,6 +482,53 @@ def _bad_values_lce() -> list[BadValues]:
     return _target_values(make, 100)
 
 
+def linear_cross_entropy_rounded_dz(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """linear_cross_entropy's `RoundingAllowance`: what rounding the logits' gradient
+    ``dz = g · (softmax(z) − onehot)`` to the inputs' ``dtype`` (the operand of the products
+    ``dhidden = dz · weight`` and ``dweight = dzᵀ · hidden`` in that dtype, and of dbias's sum, as
+    linear's ``dpre``) moves the gradients by, bounded as `rounded_operand` does.
+
+    Float64 from the oracle's checked arguments (hidden, weight, target, bias, ignore_index,
+    reduction) and ``{"dloss": dloss}``."""
+    h, w = (finite(args[n].detach().to(torch.float64)) for n in ("hidden", "weight"))
+    bias, target, ignore_index = args["bias"], args["target"].to(h.device), args["ignore_index"]
+    z = h @ w.T + (0.0 if bias is None else finite(bias.detach().to(torch.float64)))
+    kept = target != ignore_index
+    row_grad = finite(row_grads(upstream["dloss"].detach().to(h.device), target, ignore_index, args["reduction"],
+                                 torch.float64))
+    dz = finite(dlogits(z, target, torch.logsumexp(z, -1), 0.0, row_grad, kept))
+    dh, dw, db = rounded_operand(dz, torch.where(kept[:, None], h, 0.0), w, dtype)
+    allowance = {"hidden": dh, "weight": dw}
+    return allowance if bias is None else {**allowance, "bias": db}
+
+
+def _row_loss(a: Args, rows: tuple[str, ...], per_row_saved: tuple[str, ...],
+              summed_saved: tuple[str, ...]) -> list[Strategy]:
+    """Losses sharded over rows: the loss of each row ("none") or a partial sum ("sum"); a mean
+    needs the count of every rank's counted rows, so it has no strategy. Saved gradients that are
+    empty (no gradient prepared) stay replicated. A vocabulary sharded across ranks goes through
+    `kpt.distributed.cross_entropy` instead."""
+    if a["reduction"] == "mean":
+        return []
+    prepared = a["needs_grad"] and a["reduction"] != "none"
+    loss: Placement = 0 if a["reduction"] == "none" else PARTIAL
+    outputs: dict[str, Placement] = {"loss": loss, **{s: 0 for s in per_row_saved if prepared or s == "lse"}}
+    if prepared:
+        outputs.update({s: PARTIAL for s in summed_saved})
+    return [(outputs, {r: 0 for r in rows})]
+
+
+def _cross_entropy_sharding(a: Args) -> list[Strategy]:
+    strategies = _row_loss(a, ("logits", "target"), (), ())
+    if strategies and a["needs_grad"]:  # dlogits is prepared for every reduction
+        strategies[0][0]["dlogits"] = 0
+    return strategies
+
+
+def _linear_cross_entropy_sharding(a: Args) -> list[Strategy]:
+    return _row_loss(a, ("hidden", "target"), ("dhidden", "lse"), ("dweight", "dbias"))
+
+
 CROSS_ENTROPY = KernelSpec(
     name="cross_entropy",
     signature=cross_entropy,
@@ -494,6 +546,8 @@ CROSS_ENTROPY = KernelSpec(
     bad_inputs=_bad_inputs_ce,
     check_values=check_cross_entropy_values,
     bad_values=_bad_values_ce,
+    sharding=_cross_entropy_sharding,
+    memory_bound=True,
 )
 
 LINEAR_CROSS_ENTROPY = KernelSpec(
@@ -512,6 +566,8 @@ LINEAR_CROSS_ENTROPY = KernelSpec(
     bad_inputs=_bad_inputs_lce,
     check_values=check_linear_cross_entropy_values,
     bad_values=_bad_values_lce,
+    sharding=_linear_cross_entropy_sharding,
+    rounding=linear_cross_entropy_rounded_dz,
 )
 
 SPECS = (CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)

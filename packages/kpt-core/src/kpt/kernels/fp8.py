@@ -25,12 +25,16 @@ import torch
 from torch import Tensor
 
 from ..spec import (
+    PARTIAL,
     Args,
     BadInput,
     Case,
     Check,
     KernelSpec,
+    Placement,
+    Strategy,
     compute_dtype,
+    each_dim,
     identity,
     randn,
     row_cases,
@@ -366,6 +370,33 @@ def _fp8_linear_bad() -> list[BadInput]:
     ]
 
 
+def _quantize_sharding(a: Args) -> list[Strategy]:
+    """Per row: any leading dimension sharded; per tensor none (one scale from the whole amax)."""
+    if a["granularity"] == "tensor":
+        return []
+    return each_dim(range(a["x"].ndim - 1), ("xq", "scale"), ("x",))
+
+
+def _dequantize_sharding(a: Args) -> list[Strategy]:
+    """Any dimension sharded (per-row scales with the rows)."""
+    last = a["xq"].ndim - 1
+    strategies = each_dim(range(last), ("y",), ("xq", "scale") if a["scale"].ndim > 0 else ("xq",))
+    strategies.append(({"y": last}, {"xq": last}))
+    return strategies
+
+
+def _fp8_linear_sharding(a: Args) -> list[Strategy]:
+    """As linear without an activation; per-row scales shard with their rows."""
+    last = a["xq"].ndim - 1
+    x_rows = a["x_scale"].ndim > 0
+    w_rows = a["w_scale"].ndim > 0
+    strategies: list[Strategy] = [({"y": d}, {"xq": d, **({"x_scale": d} if x_rows else {})}) for d in range(last)]
+    column: dict[str, Placement] = {"wq": 0, "bias": 0, **({"w_scale": 0} if w_rows else {})}
+    strategies.append(({"y": last}, column))
+    strategies.append(({"y": PARTIAL}, {"xq": last, "wq": 1, "bias": PARTIAL}))
+    return strategies
+
+
 QUANTIZE_FP8 = KernelSpec(
     name="quantize_fp8",
     signature=quantize_fp8,
@@ -375,6 +406,8 @@ QUANTIZE_FP8 = KernelSpec(
     flops=_quantize_flops,
     cases=_quantize_cases,
     bad_inputs=_quantize_bad,
+    sharding=_quantize_sharding,
+    memory_bound=True,
 )
 
 DEQUANTIZE_FP8 = KernelSpec(
@@ -386,6 +419,8 @@ DEQUANTIZE_FP8 = KernelSpec(
     flops=_dequantize_flops,
     cases=_dequantize_cases,
     bad_inputs=_dequantize_bad,
+    sharding=_dequantize_sharding,
+    memory_bound=True,
 )
 
 FP8_LINEAR = KernelSpec(
@@ -397,6 +432,7 @@ FP8_LINEAR = KernelSpec(
     flops=_fp8_linear_flops,
     cases=_fp8_linear_cases,
     bad_inputs=_fp8_linear_bad,
+    sharding=_fp8_linear_sharding,
 )
 
 SPECS = (QUANTIZE_FP8, DEQUANTIZE_FP8, FP8_LINEAR)

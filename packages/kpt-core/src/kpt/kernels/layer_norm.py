@@ -16,7 +16,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases, rows, transposed
+from ..spec import (
+    Args,
+    BadInput,
+    Case,
+    Check,
+    KernelSpec,
+    compute_dtype,
+    identity,
+    leading_dims,
+    randn,
+    row_cases,
+    rows,
+    transposed,
+)
 
 
 def layer_norm(
@@ -151,6 +164,8 @@ LAYER_NORM = KernelSpec(
     flops=_flops,
     cases=_cases,
     bad_inputs=_bad_inputs,
+    sharding=leading_dims(("y",), ("x",), ("mean", "rstd")),
+    memory_bound=True,
 )
 
 SPECS = (LAYER_NORM,)

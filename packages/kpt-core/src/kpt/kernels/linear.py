@@ -22,12 +22,15 @@ import torch
 from torch import Tensor
 
 from ..spec import (
+    PARTIAL,
     Args,
     BadInput,
     Case,
     Check,
     KernelSpec,
+    Strategy,
     compute_dtype,
+    finite,
     identity,
     randn,
     rows,
@@ -193,6 +196,89 @@ def _bad_inputs() -> list[BadInput]:
     ]
 
 
+def rounded_operand(d: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What rounding ``d`` ``[M, N]`` to ``dtype`` before the products ``d · w`` (``w``: ``[N, K]``)
+    and ``dᵀ · x`` (``x``: ``[M, K]``) and the column sums ``Σ_i d_ij`` moves those three by.
+
+    Each element of ``d`` carries up to ``u · |d|`` (u the unit roundoff of ``dtype``), a rounding
+    of standard deviation at most ``u · |d| / √3``; a sum of such terms moves by at most the sum of
+    their bounds and, their signs independent, by three standard deviations of the sum at most
+    ``√3 · u · ‖terms‖₂``: the smaller of the two. Far beyond a bound relative to the result where
+    its terms nearly cancel (the column sum of a few rows), a small part of it elsewhere."""
+    e = torch.finfo(dtype).eps / 2 * d.abs()
+
+    def summed(bounds: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        # a sum of roundings: the sum of their bounds, or three deviations if that is less
+        return torch.minimum(bounds, math.sqrt(3) * squares.sqrt())
+
+    return (summed(e @ w.abs(), e.square() @ w.square()), summed(e.T @ x.abs(), e.square().T @ x.square()),
+            summed(e.sum(0), e.square().sum(0)))
+
+
+def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Linear's `RoundingAllowance`: what rounding ``dpre = dy ⊙ act'(pre)`` to the inputs'
+    ``dtype`` (the operand of the products ``dx = dpre · weight`` and ``dweight = dpreᵀ · x`` in
+    that dtype, and of dbias's sum) moves the gradients by (`kpt.tolerance`), bounded as
+    `rounded_operand` does.
+
+    Float64 from the oracle's checked arguments (x, weight, bias, activation) and ``{"dy": dy}``."""
+    x, w = (finite(t.detach().to(torch.float64)) for t in (rows(args["x"]), args["weight"]))
+    dy = finite(rows(upstream["dy"]).detach().to(torch.float64))
+    bias, activation = args["bias"], args["activation"]
+    pre = x @ w.T + (0.0 if bias is None else finite(bias.detach().to(torch.float64)))
+    dpre = dy if activation is None else finite(dy * activation_grad(activation)(pre))
+    dx, dw, db = rounded_operand(dpre, x, w, dtype)
+    allowance = {"x": dx.reshape(args["x"].shape), "weight": dw}
+    return allowance if bias is None else {**allowance, "bias": db}
+
+
+def linear_relu_kernel_side(args: Args, upstream: Args, outputs: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Linear's second oracle for relu (`KernelSpec.kink`): the gradients with relu' taken on the side of 0
+    that the backend's own forward shows (``y > 0``) wherever the oracle's pre-activation lies
+    within the forward's rounding of 0, the oracle's relu' elsewhere (float64).
+
+    relu' jumps from 0 to 1 at 0, so a pre-activation that the forward's rounding can move across
+    0 may take either derivative — but the backward must take the one its forward took. That
+    rounding is ``K · u_acc · Σ_k |x_ik · weight_jk|`` for float32 accumulation (u_acc of float64
+    for float64), plus ``u · Σ_k |x_ik · weight_jk|`` for 16-bit inputs (u of ``dtype``), whose
+    products may round the partial sums of a split reduction to the inputs' dtype (cuBLAS under
+    torch's default ``allow_bf16_reduced_precision_reduction``), and below float32's smallest
+    normal (flushed) or the dtype's smallest subnormal (rounded to 0) any value may land on 0.
+    ``args``: the oracle's checked x, weight, bias, activation; ``upstream``: ``{"dy": dy}``;
+    ``outputs``: the backend's ``{"y": y}``. Empty for every other activation."""
+    if args["activation"] != "relu":
+        return {}
+    x, w, dy = (t.detach().to(torch.float64) for t in (rows(args["x"]), args["weight"], rows(upstream["dy"])))
+    bias = args["bias"]
+    pre = x @ w.T + (0.0 if bias is None else bias.detach().to(torch.float64))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    u = torch.finfo(acc).eps / 2 * x.shape[-1] + (torch.finfo(dtype).eps / 2 if dtype.itemsize == 2 else 0.0)
+    zero = max(torch.finfo(acc).tiny, torch.finfo(dtype).tiny * torch.finfo(dtype).eps)
+    near = pre.abs() <= u * (finite(x).abs() @ finite(w).abs().T) + zero
+    kernel_side = rows(outputs["y"]).detach().to(pre.device, torch.float64) > 0
+    dpre = dy * torch.where(near, kernel_side, ~(pre <= 0))  # relu'(NaN) = 1, as the reference's
+    # the reference's backward from that dpre (no activation left to apply)
+    dx, dweight, dbias = linear_backward(args["x"].detach().to(torch.float64), w,
+                                         None if bias is None else bias.detach().to(torch.float64),
+                                         None, pre, pre, dpre)
+    grads = {"x": dx, "weight": dweight}
+    return grads if bias is None else {**grads, "bias": dbias}
+
+
+def _sharding(a: Args) -> list[Strategy]:
+    """Any leading dimension of x sharded; the column-wise plan (weight rows sharded, output
+    sharded over features); without an activation the row-wise plan (input features and weight
+    columns sharded, the output a partial sum, the bias added on one rank's share)."""
+    last = a["x"].ndim - 1
+    pre = a["activation"] is not None  # the pre-activation is saved only with an activation
+    strategies: list[Strategy] = [({"y": d, **({"pre": d} if pre else {})}, {"x": d}) for d in range(last)]
+    strategies.append(({"y": last, **({"pre": last} if pre else {})}, {"weight": 0, "bias": 0}))
+    if not pre:  # a partial sum goes through no activation
+        strategies.append(({"y": PARTIAL}, {"x": last, "weight": 1, "bias": PARTIAL}))
+    return strategies
+
+
 LINEAR = KernelSpec(
     name="linear",
     signature=linear,
@@ -205,6 +291,9 @@ LINEAR = KernelSpec(
     flops=_flops,
     cases=_cases,
     bad_inputs=_bad_inputs,
+    sharding=_sharding,
+    rounding=linear_rounded_dpre,
+    kink=linear_relu_kernel_side,
 )
 
 SPECS = (LINEAR,)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..spec import (
+    PARTIAL,
     Args,
     BadInput,
     BadValues,
@@ -50,6 +51,7 @@ from ..spec import (
     Check,
     KernelSpec,
     compute_dtype,
+    each_dim,
     identity,
     randn,
     strided,
@@ -160,8 +162,7 @@ def validate_grouped_linear(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     c.same_dtype("weight", weight, x, "x_sorted")
     c.same_device("weight", weight, x)
     if weight.shape[2] != x.shape[1]:
-        raise c.fail("weight", f"has shape {tuple(weight.shape)}; expected [E, N, {x.shape[1]}] "
-                               "(K of x_sorted)")
+        raise c.fail("weight", f"has shape {tuple(weight.shape)}; expected [E, N, {x.shape[1]}] (K of x_sorted)")
     offsets = _index(c, "offsets", a["offsets"], 1, x)
     c.shape("offsets", offsets, (weight.shape[0] + 1,))
     _int32_count(c, "x_sorted", x.shape[0], "rows", "offsets")
@@ -298,9 +299,8 @@ def grouped_linear_forward(x_sorted: Tensor, offsets: Tensor, weight: Tensor) ->
     return (y.to(x_sorted.dtype),)
 
 
-def grouped_linear_backward(
-    x_sorted: Tensor, offsets: Tensor, weight: Tensor, y: Tensor, dy: Optional[Tensor]
-) -> tuple[Tensor, Tensor]:
+def grouped_linear_backward(x_sorted: Tensor, offsets: Tensor, weight: Tensor, y: Tensor,
+                            dy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Returns ``(dx_sorted, dweight)``."""
     if dy is None:
         return x_sorted.new_zeros(x_sorted.shape), weight.new_zeros(weight.shape)
@@ -346,9 +346,8 @@ def moe_combine_forward(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tup
     return (y.to(y_sorted.dtype),)
 
 
-def moe_combine_backward(
-    y_sorted: Tensor, order: Tensor, weights: Tensor, y: Tensor, dy: Optional[Tensor]
-) -> tuple[Tensor, Tensor]:
+def moe_combine_backward(y_sorted: Tensor, order: Tensor, weights: Tensor, y: Tensor,
+                         dy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Returns ``(dy_sorted, dweights)``."""
     if dy is None:
         return y_sorted.new_zeros(y_sorted.shape), weights.new_zeros(weights.shape)
@@ -365,23 +364,6 @@ def moe_combine_backward(
     read = inverse.index_select(0, pair) == torch.arange(tokens * k, device=order.device)
     dy_sorted = torch.where(read[:, None], dpairs.index_select(0, pair), 0)
     return dy_sorted.to(y_sorted.dtype), dweights.to(weights.dtype)
-
-
-def _gating_flops(a: Args) -> float:
-    # softmax: max, subtract, exp, sum, divide per logit
-    return 5.0 * a["logits"].numel()
-
-
-def _dispatch_flops(a: Args) -> float:
-    return 0.0
-
-
-def _grouped_linear_flops(a: Args) -> float:
-    return 2.0 * a["x_sorted"].shape[0] * a["weight"].shape[1] * a["x_sorted"].shape[1]
-
-
-def _combine_flops(a: Args) -> float:
-    return 2.0 * a["y_sorted"].numel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,8 +451,7 @@ _GATING_CASES = _cases_of(_make_gating, {
     # saturated softmax: all but the top probabilities underflow, ranking still by logit. The
     # gradient p·(dp − Σ dp·p) cancels where p → 1: ill-conditioned, so forward only
     "huge": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e3, "grad": False},
-    "huge_no_renormalize": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e3, "renormalize": False,
-                            "grad": False},
+    "huge_no_renormalize": {"tokens": 32, "experts": 64, "k": 8, "scale": 1e3, "renormalize": False, "grad": False},
     # large logits with an O(1) spread (overflow without the max subtraction; coarse 16-bit
     # spacing makes ties): a well-conditioned gradient
     "shifted": {"tokens": 32, "experts": 64, "k": 8, "offset": 1e3},
@@ -556,8 +537,7 @@ def _dispatch_bad() -> list[BadInput]:
         BadInput("indices_float", lambda: {**base, "indices": torch.zeros(4, 2)}),
         BadInput("indices_1d", lambda: {**base, "indices": torch.zeros(4, dtype=torch.int32)}),
         BadInput("indices_tokens", lambda: {**base, "indices": torch.zeros(5, 2, dtype=torch.int32)}),
-        BadInput("indices_device",
-                 lambda: {**base, "indices": torch.zeros(4, 2, dtype=torch.int32, device="meta")}),
+        BadInput("indices_device", lambda: {**base, "indices": torch.zeros(4, 2, dtype=torch.int32, device="meta")}),
         BadInput("num_experts_zero", lambda: {**base, "num_experts": 0}),
         BadInput("num_experts_float", lambda: {**base, "num_experts": 4.0}),
     ]
@@ -565,7 +545,7 @@ def _dispatch_bad() -> list[BadInput]:
 
 def _grouped_bad() -> list[BadInput]:
     base = {"x_sorted": torch.randn(6, 8), "offsets": torch.tensor([0, 2, 6], dtype=torch.int32),
-                "weight": torch.randn(2, 5, 8)}
+            "weight": torch.randn(2, 5, 8)}
     return [
         BadInput("int_x", lambda: {**base, "x_sorted": torch.ones(6, 8, dtype=torch.int64)}),
         BadInput("x_3d", lambda: {**base, "x_sorted": torch.randn(1, 6, 8)}),
@@ -580,8 +560,7 @@ def _grouped_bad() -> list[BadInput]:
 
 
 def _combine_bad() -> list[BadInput]:
-    base = {"y_sorted": torch.randn(6, 8), "order": torch.arange(6, dtype=torch.int32),
-            "weights": torch.rand(3, 2)}
+    base = {"y_sorted": torch.randn(6, 8), "order": torch.arange(6, dtype=torch.int32), "weights": torch.rand(3, 2)}
     return [
         BadInput("int_y", lambda: {**base, "y_sorted": torch.ones(6, 8, dtype=torch.int64)}),
         BadInput("y_1d", lambda: {**base, "y_sorted": torch.randn(6)}),
@@ -662,9 +641,11 @@ MOE_GATING = KernelSpec(
     backward=moe_gating_backward,
     outputs=("weights", "indices"),
     differentiable=("logits",),
-    flops=_gating_flops,
+    # softmax: max, subtract, exp, sum, divide per logit
+    flops=lambda a: 5.0 * a["logits"].numel(),
     cases=_gating_cases,
     bad_inputs=_gating_bad,
+    sharding=lambda a: each_dim((0,), ("weights", "indices"), ("logits",)),
 )
 
 MOE_DISPATCH = KernelSpec(
@@ -675,11 +656,12 @@ MOE_DISPATCH = KernelSpec(
     backward=moe_dispatch_backward,
     outputs=("x_sorted", "offsets", "order"),
     differentiable=("x",),
-    flops=_dispatch_flops,
+    flops=lambda a: 0.0,
     cases=_DISPATCH_CASES,
     bad_inputs=_dispatch_bad,
     check_values=check_moe_dispatch_values,
     bad_values=_dispatch_values,
+    sharding=lambda a: each_dim((1,), ("x_sorted",), ("x",)),  # routing is replicated: decided for all rows
 )
 
 GROUPED_LINEAR = KernelSpec(
@@ -690,11 +672,12 @@ GROUPED_LINEAR = KernelSpec(
     backward=grouped_linear_backward,
     outputs=("y",),
     differentiable=("x_sorted", "weight"),
-    flops=_grouped_linear_flops,
+    flops=lambda a: 2.0 * a["x_sorted"].shape[0] * a["weight"].shape[1] * a["x_sorted"].shape[1],
     cases=_GROUPED_CASES,
     bad_inputs=_grouped_bad,
     check_values=check_grouped_linear_values,
     bad_values=_grouped_values,
+    sharding=lambda a: [({"y": 1}, {"weight": 1}), ({"y": PARTIAL}, {"x_sorted": 1, "weight": 2})],
 )
 
 MOE_COMBINE = KernelSpec(
@@ -705,11 +688,12 @@ MOE_COMBINE = KernelSpec(
     backward=moe_combine_backward,
     outputs=("y",),
     differentiable=("y_sorted", "weights"),
-    flops=_combine_flops,
+    flops=lambda a: 2.0 * a["y_sorted"].numel(),
     cases=_COMBINE_CASES,
     bad_inputs=_combine_bad,
     check_values=check_moe_combine_values,
     bad_values=_combine_values,
+    sharding=lambda a: each_dim((1,), ("y",), ("y_sorted",)),
 )
 
 SPECS = (MOE_GATING, MOE_DISPATCH, GROUPED_LINEAR, MOE_COMBINE)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, randn, strided
+from ..spec import Args, BadInput, Case, Check, KernelSpec, Placement, Strategy, compute_dtype, randn, strided
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -183,6 +183,17 @@ def _bad_inputs() -> list[BadInput]:
     ]
 
 
+def _sharding(a: Args) -> list[Strategy]:
+    """Batch, heads or sequence sharded; cos and sin go with the batch when per sequence
+    (``[B, S, D]``) and always with the sequence."""
+    per_sequence = a["cos"].ndim == 3
+    tables = ("cos", "sin")
+    batch: dict[str, Placement] = {"q": 0, "k": 0, **({t: 0 for t in tables} if per_sequence else {})}
+    heads: dict[str, Placement] = {"q": 1, "k": 1}
+    seq: dict[str, Placement] = {"q": 2, "k": 2, **{t: a["cos"].ndim - 2 for t in tables}}
+    return [({"q_out": p["q"], "k_out": p["k"]}, p) for p in (batch, heads, seq)]
+
+
 ROPE = KernelSpec(
     name="rope",
     signature=rope,
@@ -195,6 +206,8 @@ ROPE = KernelSpec(
     flops=_flops,
     cases=_cases,
     bad_inputs=_bad_inputs,
+    sharding=_sharding,
+    memory_bound=True,
 )
 
 SPECS = (ROPE,)

@@ -13,7 +13,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import Args, BadInput, Case, Check, KernelSpec, compute_dtype, identity, randn, row_cases
+from ..spec import (
+    Args,
+    BadInput,
+    Case,
+    Check,
+    KernelSpec,
+    Strategy,
+    compute_dtype,
+    each_dim,
+    finite,
+    identity,
+    neighbors,
+    randn,
+    row_cases,
+)
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -115,6 +129,31 @@ def _bad_inputs() -> list[BadInput]:
     ]
 
 
+def softmax_rounded_y(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """softmax's `RoundingAllowance`: what taking ``dx = y · (dy − Σ_dim dy · y)`` from the saved
+    output ``y`` in the inputs' ``dtype`` (either neighbour of the exact probability: GPUs round to
+    nearest, Triton's interpreter truncates), which the oracle holds exact, moves dx by.
+
+    With ``|ŷ_j − y_j| ≤ δ_j``, the step of ``dtype`` at ``y_j``, ``dx_i`` moves by at most
+    ``δ_i · |dy_i − Σ_j y_j dy_j| + (y_i + δ_i) · Σ_j δ_j |dy_j|``. The rounded probabilities of a
+    short row need not sum to 1: where ``dy_i`` nearly equals the row's ``Σ_j y_j dy_j`` (two
+    probabilities far apart) that is far above the tolerance's share of dx; elsewhere it is about
+    one step of ``dtype`` relative to dx."""
+    dim = args["dim"]
+    y = finite(torch.softmax(args["x"].detach().to(torch.float64), dim))
+    dy = finite(upstream["dy"].detach().to(torch.float64).to(y.device))
+    below, above = neighbors(y, dtype)
+    step = above - below
+    dot = (y * dy).sum(dim, keepdim=True)
+    return {"x": step * (dy - dot).abs() + (y + step) * (step * dy.abs()).sum(dim, keepdim=True)}
+
+
+def _sharding(a: Args) -> list[Strategy]:
+    """Any dimension but the one normalized over sharded."""
+    dim = a["dim"] % a["x"].ndim
+    return each_dim([d for d in range(a["x"].ndim) if d != dim], ("y",), ("x",))
+
+
 SOFTMAX = KernelSpec(
     name="softmax",
     signature=softmax,
@@ -126,6 +165,9 @@ SOFTMAX = KernelSpec(
     flops=_flops,
     cases=_cases,
     bad_inputs=_bad_inputs,
+    sharding=_sharding,
+    memory_bound=True,
+    rounding=softmax_rounded_y,
 )
 
 SPECS = (SOFTMAX,)

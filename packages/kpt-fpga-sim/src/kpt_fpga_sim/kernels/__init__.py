@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import activations, attention, cross_entropy, fp8, layer_norm, linear, moe, rms_norm, rope, softmax
+from kpt.kernels import family_modules
 
-FAMILIES = (rms_norm, layer_norm, softmax, activations, rope, attention, linear, cross_entropy, moe, fp8)
+FAMILIES = family_modules(__name__)
+"""This package's module of each kernel family of ``kpt.kernels``, named alike."""
 
 
 def design_function(kernel: str, direction: str) -> Callable[..., Any]:
