@@ -3,7 +3,8 @@
 Each peer takes the contract's arguments (checked and in order). `eager_call` is the contract's
 reference math run as plain PyTorch; `libraries` names the library functions present for a
 kernel (SDPA with each of its backends, cuBLAS then the activation, ``torch._scaled_mm``, a loop
-of cuBLAS products and ``torch._grouped_mm``, Liger-Kernel for the kernels in `LIGER`).
+of cuBLAS products and ``torch._grouped_mm``, Liger-Kernel for the kernels whose spec names it
+in `kpt.KernelSpec.peers`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,12 @@ from typing import Any
 import torch
 
 from ..backend import Backend
+from ..kernels import SPECS
 from ..ops import as_tuple
 from ..spec import KernelSpec
 
 PEERS = ("eager", "compile", "library")
 """The columns a kernel is compared with; "library" is the fastest library present."""
-
-LIGER = {"rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope", "cross_entropy",
-         "linear_cross_entropy"}
-"""The kernels whose library peer is Liger-Kernel (n/a where it is not installed)."""
-
 
 def eager_call(spec: KernelSpec, backend: Backend) -> Callable[..., Any]:
     """torch eager: the contract's reference math as plain PyTorch ops (no custom op around it)."""
@@ -117,7 +114,7 @@ def libraries(kernel: str) -> tuple[dict[str, Callable[..., Any]], str]:
     }
     if kernel in native:
         return native[kernel](), ""
-    if kernel not in LIGER:
+    if "liger" not in SPECS[kernel].peers:  # n/a where Liger is not installed
         return {}, ""
     try:
         from liger_kernel.transformers import functional as lg

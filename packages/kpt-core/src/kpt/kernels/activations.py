@@ -339,6 +339,7 @@ SWIGLU = KernelSpec(
     bad_inputs=_bad_inputs("swiglu"),
     sharding=_elementwise(("gate", "up")),
     memory_bound=True,
+    peers=("liger",),
 )
 
 GEGLU = KernelSpec(
@@ -355,6 +356,7 @@ GEGLU = KernelSpec(
     bad_inputs=_bad_inputs("geglu"),
     sharding=_elementwise(("gate", "up")),
     memory_bound=True,
+    peers=("liger",),
 )
 
 SPECS = (GELU, SILU, SWIGLU, GEGLU)

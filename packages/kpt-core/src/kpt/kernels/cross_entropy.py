@@ -548,6 +548,7 @@ CROSS_ENTROPY = KernelSpec(
     bad_values=_bad_values_ce,
     sharding=_cross_entropy_sharding,
     memory_bound=True,
+    peers=("liger",),
 )
 
 LINEAR_CROSS_ENTROPY = KernelSpec(
@@ -568,6 +569,7 @@ LINEAR_CROSS_ENTROPY = KernelSpec(
     bad_values=_bad_values_lce,
     sharding=_linear_cross_entropy_sharding,
     rounding=linear_cross_entropy_rounded_dz,
+    peers=("liger",),
 )
 
 SPECS = (CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)

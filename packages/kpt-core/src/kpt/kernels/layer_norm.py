@@ -166,6 +166,7 @@ LAYER_NORM = KernelSpec(
     bad_inputs=_bad_inputs,
     sharding=leading_dims(("y",), ("x",), ("mean", "rstd")),
     memory_bound=True,
+    peers=("liger",),
 )
 
 SPECS = (LAYER_NORM,)

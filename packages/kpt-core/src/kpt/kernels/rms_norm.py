@@ -252,6 +252,7 @@ RMS_NORM = KernelSpec(
     bad_inputs=_bad_inputs("rms_norm"),
     sharding=leading_dims(("y",), ("x",), ("rstd",)),
     memory_bound=True,
+    peers=("liger",),
 )
 
 ADD_RMS_NORM = KernelSpec(
@@ -270,6 +271,7 @@ ADD_RMS_NORM = KernelSpec(
     sharding=leading_dims(("y", "h"), ("x", "residual"), ("rstd",)),
     memory_bound=True,
     rounding=add_rms_norm_rounded_h,
+    peers=("liger",),
 )
 
 SPECS = (RMS_NORM, ADD_RMS_NORM)

@@ -208,6 +208,7 @@ ROPE = KernelSpec(
     bad_inputs=_bad_inputs,
     sharding=_sharding,
     memory_bound=True,
+    peers=("liger",),
 )
 
 SPECS = (ROPE,)

@@ -168,6 +168,7 @@ SOFTMAX = KernelSpec(
     sharding=_sharding,
     memory_bound=True,
     rounding=softmax_rounded_y,
+    peers=("liger",),
 )
 
 SPECS = (SOFTMAX,)
