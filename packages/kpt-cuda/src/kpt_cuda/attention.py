@@ -512,6 +512,7 @@ def attention_fwd(q, k, v, causal, scale, mask, *, decode: portable.Decode = por
     causal = causal and q.shape[2] > 1
     q, k, v = (_fused_layout(t) for t in (q, k, v))
     if library == "warp-specialized":
+        assert warp_specialized is not None  # _library picks it only with the arch's plan
         return warp_specialized_fwd(q, k, v, causal, scale, warp_specialized)
     if library == "cudnn":
         o, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]

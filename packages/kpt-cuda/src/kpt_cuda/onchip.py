@@ -80,7 +80,8 @@ def split_for(rows: torch.Tensor, min_width: int, *alike: torch.Tensor) -> tuple
     props = torch.cuda.get_device_properties(rows.device)
     if rows.shape[0] < MIN_ROWS_PER_SM * props.multi_processor_count:
         return None
-    return onchip_split(rows, props.shared_memory_per_block_optin, *alike)
+    # torch's stubs lack this property of CUDA builds (torch.cuda reads it too)
+    return onchip_split(rows, props.shared_memory_per_block_optin, *alike)  # type: ignore[attr-defined]
 
 
 @functools.cache

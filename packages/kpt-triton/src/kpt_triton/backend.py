@@ -147,7 +147,7 @@ class TritonBackend(kpt.Backend):
             for name, k in kpt.kernels_from(*modules, *products, *native).items()
         }
 
-    def perf_bar(self, kernel: str, mode: str) -> kpt.PerfBar:
+    def perf_bar(self, kernel: str, mode: str) -> kpt.PerfBar | None:
         """The conformance suite's speed bar (docs/performance.md shapes, bf16): memory-bound kernels at least
         2x torch eager and, forward, 60% of the copy bandwidth; GEMM-backed products 80% of the
         bf16 matmul rate; every other kernel at least as fast as torch eager. The docs/performance.md targets

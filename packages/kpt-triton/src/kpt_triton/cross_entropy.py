@@ -212,7 +212,7 @@ def _reduce_kernel(LOSS, TARGET, OUT, N, ignore_index, HAS_LOSS: tl.constexpr, M
             total += tl.load(LOSS + i, mask=i < N, other=0.0)
         if MEAN:
             kept += (tl.load(TARGET + i, mask=i < N, other=ignore_index) != ignore_index).to(tl.int32)
-    out = tl.sum(total, axis=0) if HAS_LOSS else 1.0
+    out = tl.sum(total, axis=0) if HAS_LOSS else tl.full([], 1.0, tl.float32)
     if MEAN:
         out = out / tl.maximum(tl.sum(kept, axis=0), 1).to(tl.float32)
     tl.store(OUT, out.to(OUT.dtype.element_ty))

@@ -22,6 +22,7 @@ rules; otherwise it dequantizes both operands here and runs one ``addmm`` with t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -325,9 +326,10 @@ def fp8_linear_fwd(xq, x_scale, wq, w_scale, bias, out_dtype, *, scaled_mm: bool
     sx = x_scale.reshape(-1, 1) if x_scale.dim() else x_scale
     # float32 operands, bias and sum, rounded once to out_dtype: a bias that cancels the product
     # would otherwise show the operands' 16-bit rounding
-    tune = {"block": block, "elems_per_warp": elems_per_warp, "native_cast": native_cast}
-    (xd,) = dequantize_fp8_fwd(x2, sx, torch.float32, **tune)
-    (wd,) = dequantize_fp8_fwd(wq, w_scale, torch.float32, **tune)
+    dequantize = functools.partial(dequantize_fp8_fwd, block=block, elems_per_warp=elems_per_warp,
+                                   native_cast=native_cast)
+    (xd,) = dequantize(x2, sx, torch.float32)
+    (wd,) = dequantize(wq, w_scale, torch.float32)
     if bias is None:
         y = torch.mm(xd, wd.t())
     else:

@@ -93,7 +93,8 @@ class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._device is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        if (self._device is None or self._stream is None or _hooked(knobs.runtime.launch_enter_hook)
+                or _hooked(knobs.runtime.launch_exit_hook)):
             self._first(grid, args, kwargs)
             return
         specialized = _specialize(args)

@@ -670,10 +670,10 @@ def grouped_linear_bwd(
     if dy is None:
         return (torch.zeros(x_sorted.shape, dtype=x_sorted.dtype, device=x_sorted.device),
                 torch.zeros((E, N, K), dtype=weight.dtype, device=weight.device))
-    tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps,
-             "num_stages": num_stages, "fp32_precision": fp32_precision}
     bounds = _segments(offsets, x_sorted.shape[0])
-    dx = _grouped_mm(dy, bounds, weight, weight.stride(), K, **tiles)
+    se, sn, sk = weight.stride()
+    dx = _grouped_mm(dy, bounds, weight, (se, sn, sk), K, block_m=block_m, block_n=block_n, block_k=block_k,
+                     num_warps=num_warps, num_stages=num_stages, fp32_precision=fp32_precision)
     dweight = torch.empty((E, N, K), dtype=weight.dtype, device=weight.device)
     if dweight.numel():
         _grouped_wgrad_kernel[(E, cdiv(N, block_n) * cdiv(K, block_k))](

@@ -26,6 +26,7 @@ there reaches no expert's gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ def _gelu(pre: torch.Tensor) -> torch.Tensor:
     return torch.where(pre == float("inf"), pre, y) if pre.device.type == "cpu" else y
 
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
     "gelu": _gelu,
     "gelu_tanh": lambda pre: F.gelu(pre, approximate="tanh"),
@@ -84,7 +85,7 @@ def _product_in_float32(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(x2.float(), weight.float().t())
 
 
-ACTIVATION_GRADS = {
+ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "relu": lambda dy, pre: dy * ~(pre <= 0),  # relu'(NaN) = 1, as torch.relu's own backward
     "gelu": lambda dy, pre: torch.ops.aten.gelu_backward(dy, pre),
     "gelu_tanh": lambda dy, pre: torch.ops.aten.gelu_backward(dy, pre, approximate="tanh"),

@@ -121,5 +121,6 @@ def rope_bwd(q, k, cos, sin, q_out, k_out, dq_out, dk_out, *, tile_elems: int = 
     """``(dq, dk)``; a missing output gradient gives a zero gradient. ``q``, ``k``: None (not saved)."""
     dq, dk = (None, None) if dq_out is None and dk_out is None else \
         _rotate(dq_out, dk_out, cos, sin, True, tile_elems, elems_per_warp, stream)
-    return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g
-                 for t, g in ((q_out, dq), (k_out, dk)))
+    grad_q, grad_k = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g
+                      for t, g in ((q_out, dq), (k_out, dk)))
+    return grad_q, grad_k

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import overload
 
 import torch
 import triton
@@ -173,6 +174,10 @@ def load_tile(PTR, rows, cols, stride_r, stride_c, mask):
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
+@overload
+def vector(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def vector(t: None) -> None: ...
 def vector(t: torch.Tensor | None) -> torch.Tensor | None:
     """A vector argument (a weight, a bias, targets) as the kernels read it: contiguous, copied only
     where it is not (an expanded or sliced one); None stays None."""

@@ -28,7 +28,9 @@ class XpuBackend(TritonBackend):
         return device.status()
 
     def detect_arch(self) -> str:
-        return device.arch_of(torch.xpu.get_device_properties(torch.xpu.current_device()))
+        arch = device.arch_of(torch.xpu.get_device_properties(torch.xpu.current_device()))
+        assert arch is not None  # device_status refuses a GPU without a tuning table
+        return arch
 
     def interpreter_arch(self) -> str:
         return device.interpreter_arch()
