@@ -199,6 +199,22 @@ def test_stream_flow_follows_every_beat() -> None:
     deps, index = network._padded_sources((2,), [(1, 2)])
     assert deps.tolist() == [-1, 0, 1, 1, 1] and index[0].tolist() == [0, 1, 2, 3, 4]
 
+    from torch.nn import functional as F
+
+    class Padded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 3)
+
+        def forward(self, x):
+            return self.conv(F.pad(x, pad=(1, 2, 0, 1)))
+
+    x = torch.randn(1, 1, 6, 6)
+    functional = estimate_model(Padded(), x, io="stream")
+    module = estimate_model(nn.Sequential(nn.ZeroPad2d((1, 2, 0, 1)), nn.Conv2d(1, 2, 3)), x, io="stream")
+    assert (functional.latency_cycles, functional.interval) == (module.latency_cycles, module.interval)
+    assert module.interval == 9 * 7 + 1       # the 9x7 padded image at II = 1
+
 
 def test_functional_calls_are_layers_too() -> None:
     from torch.nn import functional as F

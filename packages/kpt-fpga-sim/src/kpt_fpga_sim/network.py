@@ -711,7 +711,8 @@ def _layer(ctx: _Ctx, gm, node, mod, key, x: _Tensor, y: _Tensor, s: Settings, f
             raise KernelNotSupportedError(f"estimate_model: {node.name}: only zero padding is modeled")
         if ctx.io == "parallel":
             return None, "pad"
-        widths = tuple(mod.padding) if mod is not None else tuple(node.args[1])
+        given = mod.padding if mod is not None else node.kwargs.get("pad", node.args[1] if len(node.args) > 1 else ())
+        widths = tuple(given)
         widths = widths if len(widths) > 1 else widths * 2 * (len(x.shape) - 1)
         # torch lists (before, after) from the last dimension back
         pads = [(widths[2 * d], widths[2 * d + 1]) for d in range(len(x.shape) - 1)][::-1]
