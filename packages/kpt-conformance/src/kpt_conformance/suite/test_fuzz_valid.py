@@ -273,7 +273,8 @@ BUILDERS = {
     "dequantize_fp8": _dequantize,
     "fp8_linear": _fp8_linear,
 }
-"""Per kernel: a valid call drawn from `Inputs` (contiguous CPU tensors; layouts come after)."""
+"""Per kernel: a valid call drawn from `Inputs` (contiguous CPU tensors; layouts come after). A
+kernel without one is fuzzed with its own conformance cases (`valid_calls`)."""
 
 
 def _write_special(t: torch.Tensor, kind: str, g: torch.Generator) -> None:
@@ -318,7 +319,13 @@ def valid_calls(draw: Any, spec: kpt.KernelSpec, dtypes: tuple[torch.dtype, ...]
     valid call of ``spec``."""
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     inputs = Inputs(draw, dtype)
-    args = BUILDERS[spec.name](inputs)
+    if spec.name in BUILDERS:
+        args = BUILDERS[spec.name](inputs)
+    else:  # a kernel without a builder of its own: one of its conformance cases, drawn afresh
+        cases = [c for c in spec.cases() if not c.device_only and (c.dtypes is None or dtype in c.dtypes)]
+        made = draw(st.sampled_from(cases), label="case").make(inputs.g, dtype)
+        args = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in made.items()}
+        inputs.special_targets += [v for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     special = draw(st.sampled_from((None, None, *backend.special_values(spec.name, dtype))), label="special values")
     if special is not None and inputs.special_targets:
         target = draw(st.sampled_from(range(len(inputs.special_targets))), label="special values' input")
