@@ -349,4 +349,4 @@ def test_every_call_is_reported(be) -> None:
 
 def test_public_api() -> None:
     assert kpt_fpga_sim.configure is configure
-    assert set(kpt_fpga_sim.DEVICES) == {"u250", "u280", "u50", "vu9p", "vu13p", "ku115", "zynq7020"}
+    assert set(kpt_fpga_sim.DEVICES) == {"u250", "u280", "u50", "vu9p", "vu13p", "ku115", "zynq7020", "zcu104"}

@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmp.add_argument("--dtype", default="float32", help="activation dtype (default float32)")
     cmp.add_argument("--format", help='number format: float32 (default), "ap_fixed<W,I[,Q[,O]]>", '
                      '"ap_ufixed<W,I[,Q[,O]]>" or a QKeras quantizer, "quantized_bits(8,3)"')
-    cmp.add_argument("--device", help="u250 (default), u280, u50, vu9p, vu13p, ku115, zynq7020 or a part name")
+    cmp.add_argument("--device", help="u250 (default), u280, u50, vu9p, vu13p, ku115, zynq7020, zcu104 or a part name")
     cmp.add_argument("--clock", type=float, help="clock in MHz (default: the device's)")
     cmp.add_argument("--json", action="store_true", help="print the reports as JSON")
     for name in _DIRECTIVES:

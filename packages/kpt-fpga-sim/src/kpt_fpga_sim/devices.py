@@ -89,9 +89,11 @@ DEVICES = {
     "ku115": Device("ku115", "xcku115", 663_360, 1_326_720, 4_320, 5_520, 0, "2x DDR4", 38.4, 250.0,
                     ULTRASCALE),
     "zynq7020": Device("zynq7020", "xc7z020", 53_200, 106_400, 280, 220, 0, "DDR3", 4.2, 100.0, SERIES7),
+    "zcu104": Device("zcu104", "xczu7ev", 230_400, 460_800, 624, 1_728, 96, "DDR4", 19.2, 300.0),
 }
 _ALIASES = {"alveo-u250": "u250", "alveo-u280": "u280", "alveo-u50": "u50", "zynq-7020": "zynq7020",
             "z7020": "zynq7020", "virtex-vu9p": "vu9p", "virtex-vu13p": "vu13p", "kintex-ku115": "ku115",
+            "zu7ev": "zcu104",
             **{d.part: name for name, d in DEVICES.items()}}
 
 
