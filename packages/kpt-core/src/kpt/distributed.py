@@ -66,7 +66,11 @@ R = Replicate()
 
 
 def _placement(p: SpecPlacement) -> Placement:
-    return Partial() if p == PARTIAL else Shard(p)
+    if isinstance(p, int):
+        return Shard(p)
+    if p == PARTIAL:
+        return Partial()
+    raise ValueError(f"a sharding strategy places a tensor {p!r}; expected a dimension or kpt.spec.PARTIAL")
 
 
 def forward_strategies(kernel: KernelSpec, args: dict[str, Any]) -> list[Strategy]:
