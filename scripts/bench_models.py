@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--archs", default="llama-125m,qwen3-151k,mistral-gqa")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--batches", default="1,16", help="generate: the batch sizes")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 launch(out, f"sft-{kind}-{mode}", kind, "llama-125m", mode, str(args.steps), str(args.warmup), "8",
                        "2048")
     elif args.what == "generate":
-        for batch in (1, 16):
+        for batch in map(int, args.batches.split(",")):
             for mode in args.modes.split(","):
                 for cache in ("dynamic", "static"):
                     launch(out, f"generate-b{batch}-{mode}-{cache}", "generate", "llama-1.3b", mode, cache,
