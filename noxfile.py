@@ -61,12 +61,12 @@ PROFILES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]
     # simulator like cuda-interpret, never picked automatically; on a Mac, scripts/mps_check.sh
     "mps-emulate": ("mps", ("kpt-mps",), (), {"KPT_MPS_EMULATE": "1"}),
 }
-# profiles that CI runs as a representative cut (every contract and bad-input test, and the numerics
-# of one dtype: bfloat16 for rocm and xpu; float32, the tightest check of the shaders' math, for mps,
-# with the float32-parameter cases of 16-bit activations); `nox -s "conformance(profile='rocm-interpret')"
-# -- -k ""` runs the whole suite
+# profiles that CI runs as a representative cut: every contract and bad-input test, and the numerics
+# of one dtype: bfloat16 for cuda, rocm and xpu (`newest` adds cuda's float32), and float32 for mps
+# (the tightest check of the shaders' math, with the float32-parameter cases of 16-bit activations);
+# `nox -s "conformance(profile='rocm-interpret')" -- -k ""` runs the whole suite
 BFLOAT16_CUT = ("-k", "bfloat16 or not test_numerics")
-CUTS = {"rocm-interpret": BFLOAT16_CUT, "xpu-interpret": BFLOAT16_CUT,
+CUTS = {"cuda-interpret": BFLOAT16_CUT, "rocm-interpret": BFLOAT16_CUT, "xpu-interpret": BFLOAT16_CUT,
         "mps-emulate": ("-k", "float32 or fp32_ or not test_numerics")}
 # torch on one thread: the suite's tensors are small, and torch's default OpenMP threads busy-wait on
 # them (the reference's rms_norm, softmax and attention cases: 93 s of CPU with the default two
@@ -262,9 +262,6 @@ def report(session: nox.Session) -> None:
     _write_report(session, sorted(Path("reports").glob("*/conformance.md")))
 
 
-# the main job's cuts: CI's, and the bfloat16 cut for cuda-interpret too, which CI runs whole (by
-# itself about 400 s of CPU, as long as the other simulated profiles' cuts together)
-MAIN_CUTS = {**CUTS, "cuda-interpret": BFLOAT16_CUT}
 # the main job's seconds per profile on a 2-core CPU machine, two at a time with one thread each
 # (measured; for the estimate of what is left), longest first: the order the job starts them in
 MAIN_EXPECTED_S = {"cuda-interpret": 245, "rocm-interpret": 185, "xpu-interpret": 175, "fpga-sim-fixed": 105,
@@ -275,7 +272,7 @@ MAIN_WORKERS = 2  # one profile per core: most of a profile's time is one Python
 @nox.session(default=False)
 def main(session: nox.Session) -> None:
     """The main job: `kpt check` on every profile of `PROFILES` in one virtualenv (every package),
-    the simulated ones at the cut of `MAIN_CUTS`, two at a time with one thread each, a line per profile
+    the simulated ones at CI's cut (`CUTS`), two at a time with one thread each, a line per profile
     as it ends (its time, the time so far, an estimate of what is left), then reports/conformance.md.
     Each profile's output goes to build/main/<profile>.log; a failing profile's tail is printed.
     ``nox -s conformance report`` runs every profile at full depth, one virtualenv each."""
@@ -290,7 +287,7 @@ def main(session: nox.Session) -> None:
         backend, _, _, env = PROFILES[profile]
         running[profile] = time.monotonic()
         command = ["kpt", "check", "--backend", backend, "--force", "--report", f"reports/{profile}",
-                   "--xfails", "conformance/xfails", "--", *MAIN_CUTS.get(profile, ()), *session.posargs]
+                   "--xfails", "conformance/xfails", "--", *CUTS.get(profile, ()), *session.posargs]
         with open(logs / f"{profile}.log", "w") as log:
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PATH": path, **ONE_THREAD, **env})
