@@ -170,7 +170,7 @@ class FpgaSimBackend(Backend):
         fmt = self._fixed_format(kernel)
         if fmt is None:
             return None
-        roundings = ROUNDINGS[kernel]
+        roundings: float = ROUNDINGS[kernel]
         through = FAN_IN_WEIGHTS.get(kernel)
         if through is not None and output in through[1]:
             roundings = max(roundings, weight_roundings(args[through[0]].shape[-1]))

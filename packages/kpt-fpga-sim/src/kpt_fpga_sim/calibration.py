@@ -44,7 +44,7 @@ def dense_16_5_relu() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 5), nn.ReLU())
 
 
-def small_mnist_cnn() -> nn.Module:
+def small_mnist_cnn() -> nn.Sequential:
     """28×28×1 → conv 3×3 ×4, ReLU, max-pool 4 → conv 3×3 ×8, ReLU, max-pool 2 → dense 10."""
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(4), nn.Conv2d(4, 8, 3), nn.ReLU(),
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32, 10))
@@ -159,7 +159,8 @@ def estimate(report: Published, seed: int = 0) -> NetworkReport:
             if n_zeros:
                 # magnitude pruning: the n_zeros smallest weights
                 m.weight.view(-1)[m.weight.abs().flatten().argsort()[:n_zeros]] = 0.0
-            m.bias.zero_()
+            if m.bias is not None:
+                m.bias.zero_()
     return estimate_model(model, torch.zeros(shape), format=report.precision, device=report.part,
                           clock_mhz=report.clock_mhz, reuse=report.reuse, strategy=report.strategy, io=report.io,
                           layers=report.layers)

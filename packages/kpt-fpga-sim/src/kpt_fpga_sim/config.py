@@ -136,7 +136,8 @@ def from_environment() -> SimConfig:
         if not value:
             continue
         try:
-            config = make_config(config, **{setting: float(value) if setting == "clock_mhz" else value})
+            settings: dict[str, Any] = {setting: float(value) if setting == "clock_mhz" else value}
+            config = make_config(config, **settings)
         except ValueError as exc:
             raise ValueError(f"{variable}={value!r}: {exc}") from None
     return config

@@ -159,7 +159,7 @@ class Fx:
         extra = bits_for(math.prod(self.raw.shape[d] for d in dims))
         v = declare(self, MAX_BITS - extra)
         # every partial sum is bounded by the total's type, so a float64 sum is exact too
-        return Fx(as_raw(v.raw, v.w + extra).sum(dim, keepdim=keepdim), v.w + extra, v.i + extra)
+        return Fx(as_raw(v.raw, v.w + extra).sum(dims, keepdim=keepdim), v.w + extra, v.i + extra)
 
     def amax(self, dim: int, keepdim: bool = False) -> Fx:
         self._plain("max")

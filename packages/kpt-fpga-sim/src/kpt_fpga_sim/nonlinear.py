@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ class FunctionSpec:
     curvature: float
 
 
-def _ref(name: str) -> object:
+def _ref(name: str) -> Callable[[Tensor], Tensor]:
     return {
         "exp": torch.exp, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "erf": torch.erf,
         "rsqrt": torch.rsqrt, "recip": torch.reciprocal, "log": torch.log,

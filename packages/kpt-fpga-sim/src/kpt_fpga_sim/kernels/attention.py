@@ -132,7 +132,8 @@ def attention_design(call: Call, q, k, v, causal, scale, mask):
 def attention_bwd_design(call: Call, q, k, v, causal, scale, mask, *outputs_and_grads):
     heads, sq, skv, d = _shapes(q, k)
     seen = visible_pairs(sq, skv, causal) / max(sq * skv, 1)
-    stages, buffers, traffic, tilings = [], [], 0, {}
+    buffers: list[Buffer] = []
+    stages, traffic, tilings = [], 0, {}
     for name, m, n, kk in (("qk", sq, skv, d), ("dv", skv, d, sq), ("dp", sq, skv, d),
                            ("dq", sq, d, skv), ("dk", skv, d, sq)):
         loop, bufs, nbytes, tilings[name] = matmul(call, name, m, n, kk, batch=heads, share=0.2, visible=seen)

@@ -26,7 +26,7 @@ import torch
 
 from kpt.kernels.cross_entropy import CHUNK_ELEMENTS
 
-from ..hls import Design, region
+from ..hls import Buffer, Design, region
 from ..sim import Call, Pass, current, flops, matmul, row_design, stream
 
 
@@ -219,7 +219,8 @@ def _lce_design(call: Call, hidden, weight, target, bias, products, work: float)
     n, k = hidden.shape
     v = weight.shape[0]
     share = SOFTMAX_SHARE / len(products)
-    stages, buffers, traffic = [], [], call.io_bytes(target, bias) + 4 * n
+    buffers: list[Buffer] = []
+    stages, traffic = [], call.io_bytes(target, bias) + 4 * n
     for name, m_, n_, k_ in products:
         loop, bufs, nbytes, t = matmul(call, name, m_, n_, k_, share=share, in_bytes=call.elem_bytes(hidden))
         stages.append(loop)

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..hls import Design, Loop, region
+from ..hls import Buffer, Design, Loop, region
 from ..sim import Call, Pass, current, flops, matmul, row_design, stream, zeros
 
 
@@ -173,7 +173,8 @@ def moe_dispatch_bwd_design(call: Call, x, indices, num_experts, *rest):
 
 def _grouped(call: Call, x_sorted, weight, work: float, products) -> Design:
     experts = weight.shape[0]
-    stages, buffers, traffic = [], [], 0
+    buffers: list[Buffer] = []
+    stages, traffic = [], 0
     for name, m, n, k in products:
         loop, bufs, nbytes, _ = matmul(call, name, m, n, k, batch=experts, share=1.0 / len(products),
                                        in_bytes=call.elem_bytes(x_sorted))
