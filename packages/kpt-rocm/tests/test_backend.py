@@ -9,6 +9,7 @@ import torch
 from kpt_rocm import plugin, tuning
 
 import kpt
+from kpt_triton import aot, attention_tiles
 
 
 @pytest.fixture
@@ -110,6 +111,26 @@ def test_tuning_tables_name_real_parameters():
 def test_wavefront_width_sets_the_warp_arithmetic():
     assert tuning.TABLES["gfx942"]["rms_norm_fwd"]["elems_per_warp"] == 16 * 64
     assert tuning.TABLES["gfx1100"]["rms_norm_fwd"]["elems_per_warp"] == 16 * 32
+
+
+@pytest.mark.parametrize("arch", tuning.TABLES)
+def test_attention_tiles_fit_the_lds_at_every_head_dim(arch):
+    """The table's attention tiles as every launch takes them (`kpt_triton.attention_tiles.fit`)
+    hold within the arch's LDS in every dtype, with and without a mask; those that fit are kept."""
+    limit = aot.TARGETS[arch].shared_limit
+    for direction, backward in (("fwd", False), ("bwd", True)):
+        entry = tuning.TABLES[arch][f"attention_{direction}"]
+        for head_dim in range(16, 257):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                for masked in (False, True):
+                    block_d, t = attention_tiles.launch_tiles(head_dim, dtype, entry["tiles"], entry.get("fp32_tiles"),
+                                                              backward, masked, limit)
+                    rows = max(t.block_m, t.block_n) if backward else t.block_n
+                    scores = backward or masked or dtype == torch.float32
+                    assert attention_tiles.shared_bytes(rows, t.block_m, t.block_n, block_d, t.num_stages, dtype,
+                                                        scores) <= limit
+        wide = entry["tiles"][128]
+        assert attention_tiles.fit(wide, 128, torch.bfloat16, backward, False, limit) == wide
 
 
 def test_scaled_mm_only_where_the_arch_has_ocp_float8():

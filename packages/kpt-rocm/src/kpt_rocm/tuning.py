@@ -46,6 +46,11 @@ def _lanes(lanes: int) -> Table:
     for name in PERSISTENT_LAUNCHERS:
         table[name] = {**table[name], "programs_per_sm": 2}
     table["quantize_fp8_fwd"]["block"] = 8192
+    # 8 elements a lane where a lane keeps several float32 values per element (gfx942, AOT check:
+    # layer_norm_bwd's 4 x 1024 tile 2 spills, quantize_fp8's rows of 8192 2-5 and of 1 column 2-60;
+    # none at 8)
+    for name in ("layer_norm_bwd", "quantize_fp8_fwd"):
+        table[name]["elems_per_warp"] = 8 * lanes
     table.update({name: {"block": 8192, **per_wave} for name in POINTWISE_LAUNCHERS})
     table.update({name: {"block_v": 8192, **per_wave} for name in VOCAB_LAUNCHERS})
     return table
@@ -56,22 +61,33 @@ _CDNA_FLASH = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16}
 
 _CDNA_ATTENTION = {
     "fwd": {16: Tiles(128, 64, 4, 1, _CDNA_FLASH), 32: Tiles(128, 64, 4, 1, _CDNA_FLASH),
-            64: Tiles(128, 64, 4, 1, _CDNA_FLASH), 128: Tiles(128, 64, 8, 1, _CDNA_FLASH),
+            64: Tiles(128, 64, 8, 1, _CDNA_FLASH), 128: Tiles(128, 64, 8, 1, _CDNA_FLASH),
             256: Tiles(64, 32, 4, 1, _CDNA_FLASH)},
-    "bwd": {16: Tiles(64, 64, 4, 1, _CDNA_FLASH), 32: Tiles(64, 64, 4, 1, _CDNA_FLASH),
+    "bwd": {16: Tiles(32, 64, 4, 1, _CDNA_FLASH), 32: Tiles(32, 32, 4, 1, _CDNA_FLASH),
             64: Tiles(32, 64, 4, 1, _CDNA_FLASH), 128: Tiles(32, 32, 4, 1, _CDNA_FLASH),
-            256: Tiles(16, 32, 4, 1, _CDNA_FLASH)},
+            256: Tiles(16, 16, 4, 1, _CDNA_FLASH)},
+    "fwd_fp32": {16: Tiles(32, 32, 4, 1), 32: Tiles(32, 32, 4, 1), 64: Tiles(16, 32, 4, 1),
+                 128: Tiles(32, 32, 4, 1), 256: Tiles(32, 32, 4, 1)},
+    "bwd_fp32": {d: Tiles(16, 32, 4, 1) for d in (16, 32, 64, 128)} | {256: Tiles(16, 16, 4, 1)},
 }
+"""In the AOT check on gfx942 (every conformance case): 8 waves at head dim 64 forward (4 spilled 4-6
+VGPRs with the causal mask), 32 queries backward up to head dim 64 (64 spilled 7-41 with a mask) and
+32 keys at head dim 32 (64 spilled 9-13 with a mask), 16 x 16 at head dim 256 (16 x 32 spilled 31).
+Float32's dots run on FMA units, within 256 VGPRs a lane: 4 waves (8, the portable tiles', halve the
+registers of a lane: 2-564 spills), 32 keys forward and 16 queries at head dim 64 (32 spilled 17 with
+a mask), 16 queries backward (32 spilled 26-54 with a mask); `fit` shrinks the forward at head dim
+256 to the LDS."""
 
-_DISPATCH = {"moe_dispatch_fwd": {"block_pairs": 64, "block_e": 32, "block_h": 128}}
+_DISPATCH = {"moe_dispatch_fwd": {"block_pairs": 32, "block_e": 32, "block_h": 128}}
 """The dispatch's [pairs x experts] and [pairs x pairs] compares at the portable 128 x 128 spill on
-every AMD target (52-88 spills in the AOT check); 64 pairs and 32 experts a step do not."""
+every AMD target (52-88 spills in the AOT check), and at 64 pairs on gfx942 (4-20); 32 pairs and 32
+experts a step do not."""
 
 CDNA: Table = {
     **_lanes(64),
     **_DISPATCH,
-    "attention_fwd": {"tiles": _CDNA_ATTENTION["fwd"]},
-    "attention_bwd": {"tiles": _CDNA_ATTENTION["bwd"]},
+    "attention_fwd": {"tiles": _CDNA_ATTENTION["fwd"], "fp32_tiles": _CDNA_ATTENTION["fwd_fp32"]},
+    "attention_bwd": {"tiles": _CDNA_ATTENTION["bwd"], "fp32_tiles": _CDNA_ATTENTION["bwd_fp32"]},
 }
 """Instinct MI210/MI250X (gfx90a) and MI300X/MI325X (gfx942): no OCP float8 in hardware."""
 

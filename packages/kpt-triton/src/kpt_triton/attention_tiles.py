@@ -49,8 +49,8 @@ class Decode(NamedTuple):
     - ``block_n`` keys a step in ``num_stages`` stages (None: the forward's `Tiles`', whose compiler
       options the kernel takes too), with ``num_warps`` warps (``wide_warps`` for tiles of more than
       64 rows, None: the same; float32 takes the forward's warps); ``block_n`` halves until a tile
-      holds at most ``scores`` scores (rows × keys, held in registers; half as many with a mask,
-      whose tile takes registers too), and further where the tile would not fit in shared memory.
+      holds at most ``scores`` scores (rows × keys, held in registers; a quarter as many with a
+      mask, whose tile takes registers too), and further where the tile would not fit in shared memory.
     - The keys split into chunks of at least ``split_keys``, one program each, as many as fill one
       wave of ``programs_per_sm`` programs per multiprocessor (a second, partial wave would take as
       long as the first), at most `MAX_SPLITS`.
@@ -140,15 +140,26 @@ def fit(t: Tiles, block_d: int, dtype: torch.dtype, backward: bool, masked: bool
 
 
 def portable_tiles(block_d: int, dtype: torch.dtype, backward: bool) -> Tiles:
-    """Tiles that, compiled for sm_90, keep the accumulators in registers (no spills up to head
-    dim 128); `fit` keeps them within the shared memory of smaller GPUs."""
-    wide = dtype == torch.float32
+    """Tiles that, compiled for sm_90, keep the accumulators in registers at every head dim in
+    16-bit inputs and up to head dim 64 in float32 (AOT check, every conformance case); `fit` keeps
+    them within the shared memory of smaller GPUs.
+
+    Float32's dots run on FMA units with twice the registers a tile (sm90, every case of the AOT
+    check): forward 32 queries × 64 keys, 32 keys at head dim 16 (with a mask 64 spilled 8 bytes a
+    thread; at head dim 128 32 keys spilled 864), 16 × 32 at head dim 256 (32 × 32 spilled 38824);
+    backward 16 queries (32 × 64 in 8 warps spilled 16-2828 bytes at head dims 16-64), 16 keys from
+    head dim 128 on, in 8 warps at 128 (16 × 32 spilled 40-152 bytes, 16 × 16 in 4 warps 52). In 16
+    bits the forward at head dim 256 takes 32 keys (64 spilled 32 bytes)."""
+    if dtype == torch.float32:
+        if not backward:
+            return Tiles(32, 32 if block_d <= 16 else 64, 8, 2) if block_d <= 128 else Tiles(16, 32, 4, 2)
+        if block_d <= 64:
+            return Tiles(16, 32, 4, 2)
+        return Tiles(16, 16, 8 if block_d <= 128 else 4, 2)
     if not backward:
-        if block_d <= 128:
-            return Tiles(32 if wide else 64, 64, 8, 2)
-        return Tiles(32, 32 if wide else 64, 8, 2)
+        return Tiles(64, 64, 8, 2) if block_d <= 128 else Tiles(32, 32, 8, 2)
     if block_d <= 64:
-        return Tiles(32, 64, 8 if wide else 4, 2)
+        return Tiles(32, 64, 4, 2)
     if block_d <= 128:
         return Tiles(16, 32, 4, 2)
     return Tiles(16, 16, 4, 2)
@@ -190,9 +201,10 @@ def decode_tiles(rows: int, block_d: int, dtype: torch.dtype, tiles: Tiles, plan
     block_m = max(16, next_pow2(rows))
     plan = plan if planned(dtype, block_d) else PORTABLE_DECODE
     block_n = tiles.block_n if plan.block_n is None else plan.block_n
-    # a mask's tile (its addresses and bytes) holds about the registers of a second tile of scores:
-    # half the keys a step (sm90, 128 rows of head dim 32 in 4 warps: 9448 spilled bytes a thread, none)
-    scores = plan.scores // 2 if masked else plan.scores
+    # a mask's tile (its addresses and bytes) holds more registers than a tile of scores: a quarter of
+    # the keys a step (head dims 16-32, 64 rows x 64 keys: sm90 732-1020 spilled bytes a thread, gfx942
+    # 12-29 VGPRs; 64 x 32 none; sm90 128 rows x 64 keys: 9448 bytes)
+    scores = plan.scores // 4 if masked else plan.scores
     stages = tiles.num_stages if plan.num_stages is None else plan.num_stages
     while block_n > 16 and block_m * block_n > scores:
         block_n //= 2
