@@ -169,7 +169,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         o = probabilities(s) @ v.to(s.dtype)[:, :, None]
         return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
 
-    return by_chunks(forward, q, k, *_present(mask), per_key=(v,))
+    o, lse = by_chunks(forward, q, k, *_present(mask), per_key=(v,))
+    return o, lse
 
 
 def _present(*tensors: Optional[Tensor]) -> tuple[Tensor, ...]:
@@ -196,7 +197,9 @@ def attention_backward(
         dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
         return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    return by_chunks(backward, q, k, do, *_present(mask), per_key=(v,))
+    dq, dk, dv = by_chunks(backward, q, k, do if do is not None else torch.zeros_like(o), *_present(mask),
+                           per_key=(v,))
+    return dq, dk, dv
 
 
 def visible_pairs(sq: int, skv: int, causal: bool) -> int:
@@ -299,7 +302,7 @@ def _cases() -> list[Case]:
     def case(name: str, perf: bool = False, tolerance_scale: float = 1.0, **kw: Any) -> Case:
         return Case(name, lambda g, dtype: _make(g, dtype, **kw), perf=perf, tolerance_scale=tolerance_scale)
 
-    llm = dict(b=2, hq=4, hkv=4, sq=128, skv=128, d=64)
+    llm: dict[str, Any] = dict(b=2, hq=4, hkv=4, sq=128, skv=128, d=64)
     return [
         case("llm", **llm),
         case("llm_causal", **{**llm, "causal": True}),

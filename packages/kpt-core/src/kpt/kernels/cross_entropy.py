@@ -293,11 +293,14 @@ def linear_cross_entropy_backward(
     Scales the forward's gradients when it made them, else recomputes the logits chunk by chunk.
     """
     ct = lse.dtype
+    if dloss is None:
+        dloss = torch.zeros_like(loss)
     if needs_grad and reduction != "none":
         g = dloss.to(ct)
         return _grads_out(hidden, weight, bias, dhidden.to(ct) * g, dweight.to(ct) * g, dbias.to(ct) * g)
     row_grad = row_grads(dloss, target, ignore_index, reduction, ct)
     _, _, grads = _chunked(hidden, weight, bias, target, ignore_index, row_grad, lse)
+    assert grads is not None  # _chunked computes them whenever it is given a row gradient
     return _grads_out(hidden, weight, bias, *grads)
 
 

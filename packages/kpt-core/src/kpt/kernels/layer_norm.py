@@ -86,7 +86,7 @@ def layer_norm_backward(
     """Returns ``(dx, dweight, dbias)``; ``dweight`` / ``dbias`` are empty when that parameter is None."""
     ct = rstd.dtype
     xhat = (rows(x).to(ct) - mean[:, None]) * rstd[:, None]
-    dyr = rows(dy).to(ct)
+    dyr = rows(dy if dy is not None else torch.zeros_like(y)).to(ct)
     g = dyr * weight.to(ct) if weight is not None else dyr
     dx = rstd[:, None] * (g - _row_mean(g)[:, None] - xhat * _row_mean(g * xhat)[:, None])
     dweight = (dyr * xhat).sum(0).to(weight.dtype) if weight is not None else x.new_empty(0)

@@ -111,7 +111,7 @@ def linear_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dx, dweight, dbias)``; ``dbias`` is empty when ``bias`` is None."""
     ct = compute_dtype(x.dtype)
-    dpre = rows(dy).to(ct)
+    dpre = rows(dy if dy is not None else torch.zeros_like(y)).to(ct)
     if activation is not None:
         _, act_grad = _ACTIVATIONS[activation]
         dpre = dpre * act_grad(rows(pre).to(ct))

@@ -36,6 +36,7 @@ inside its tensors and gives these defined results for values out of range:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -432,7 +433,7 @@ def _cases_of(make: Callable[..., Args], shapes: dict[str, dict[str, Any]]) -> C
         for name, kw in shapes.items():
             kw = dict(kw)
             perf, grad = kw.pop("perf", False), kw.pop("grad", True)
-            out.append(Case(name, lambda g, dtype, kw=kw: make(g, dtype, **kw), perf=perf, grad=grad))
+            out.append(Case(name, functools.partial(make, **kw), perf=perf, grad=grad))
         return out
     return cases
 

@@ -108,7 +108,7 @@ def rms_norm_backward(
     x: Tensor, weight: Optional[Tensor], eps: float, y: Tensor, rstd: Tensor, dy: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(dx, dweight)``; ``dweight`` is empty when ``weight`` is None."""
-    dx, dweight = _normalize_backward(x, weight, rstd, dy)
+    dx, dweight = _normalize_backward(x, weight, rstd, dy if dy is not None else torch.zeros_like(y))
     return dx.to(x.dtype).reshape(x.shape).contiguous(), dweight
 
 
