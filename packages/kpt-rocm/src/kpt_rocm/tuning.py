@@ -63,7 +63,7 @@ _CDNA_ATTENTION = {
     "fwd": {16: Tiles(128, 64, 4, 1, _CDNA_FLASH), 32: Tiles(128, 64, 4, 1, _CDNA_FLASH),
             64: Tiles(128, 64, 8, 1, _CDNA_FLASH), 128: Tiles(128, 64, 8, 1, _CDNA_FLASH),
             256: Tiles(64, 32, 4, 1, _CDNA_FLASH)},
-    "bwd": {16: Tiles(32, 64, 4, 1, _CDNA_FLASH), 32: Tiles(32, 32, 4, 1, _CDNA_FLASH),
+    "bwd": {16: Tiles(32, 64, 4, 1, _CDNA_FLASH), 32: Tiles(16, 32, 4, 1, _CDNA_FLASH),
             64: Tiles(32, 64, 4, 1, _CDNA_FLASH), 128: Tiles(32, 32, 4, 1, _CDNA_FLASH),
             256: Tiles(16, 16, 4, 1, _CDNA_FLASH)},
     "fwd_fp32": {16: Tiles(32, 32, 4, 1), 32: Tiles(32, 32, 4, 1), 64: Tiles(16, 32, 4, 1),
@@ -72,7 +72,7 @@ _CDNA_ATTENTION = {
 }
 """In the AOT check on gfx942 (every conformance case): 8 waves at head dim 64 forward (4 spilled 4-6
 VGPRs with the causal mask), 32 queries backward up to head dim 64 (64 spilled 7-41 with a mask) and
-32 keys at head dim 32 (64 spilled 9-13 with a mask), 16 x 16 at head dim 256 (16 x 32 spilled 31).
+16 x 32 at head dim 32 (32 x 64 spilled 9-13 with a mask, 32 x 32 7-10), 16 x 16 at head dim 256 (16 x 32 spilled 31).
 Float32's dots run on FMA units, within 256 VGPRs a lane: 4 waves (8, the portable tiles', halve the
 registers of a lane: 2-564 spills), 32 keys forward and 16 queries at head dim 64 (32 spilled 17 with
 a mask), 16 queries backward (32 spilled 26-54 with a mask); `fit` shrinks the forward at head dim
