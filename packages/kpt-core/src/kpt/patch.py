@@ -336,7 +336,7 @@ def _loss_override(model: nn.Module) -> Callable[[], Callable[[], None]]:
 
 
 def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)  # a transformers config (its model_type checked next)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
         raise KernelNotSupportedError(

@@ -41,6 +41,7 @@ FP8 minifloats (`Minifloat`: ``e4m3fn``, ``e5m2``) round to nearest even and sat
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -291,6 +292,7 @@ class ApFixed:
         else:
             out = self._wrap(q).to(dtype)
             if o == "WRAP_SM":
+                assert floor is not None  # given in every call that can wrap sign-magnitude
                 # the first dropped bit, taken before the rounding increment (as ap_fixed does)
                 ld = _floor_shift(floor, self.w, 1) == 1
                 flip = ld != (out < 0)
@@ -400,8 +402,10 @@ Format = Float32 | ApFixed
 
 _FORMAT_TEXT = re.compile(r"(ap_u?fixed)\s*<\s*(\d+)\s*,\s*(-?\d+)\s*(?:,\s*(\w+)\s*)?(?:,\s*(\w+)\s*)?>")
 _QUANTIZER_TEXT = re.compile(r"(quantized_bits|quantized_relu)\s*\((.*)\)", re.DOTALL)
-_QUANTIZERS = {"quantized_bits": (quantized_bits, ("bits", "integer", "keep_negative", "alpha")),
-               "quantized_relu": (quantized_relu, ("bits", "integer"))}
+_QUANTIZERS: dict[str, tuple[Callable[..., ApFixed], tuple[str, ...]]] = {
+    "quantized_bits": (quantized_bits, ("bits", "integer", "keep_negative", "alpha")),
+    "quantized_relu": (quantized_relu, ("bits", "integer")),
+}
 _EXPECTED = ("'float32', 'ap_fixed<W,I[,Q[,O]]>', 'ap_ufixed<W,I[,Q[,O]]>', "
              "'quantized_bits(bits, integer[, keep_negative[, alpha]])' or 'quantized_relu(bits, integer)'")
 
@@ -420,8 +424,8 @@ def parse_format(text: str) -> Format:
     m = _QUANTIZER_TEXT.fullmatch(text)
     if not m:
         raise ValueError(f"number format {text!r}: expected {_EXPECTED}")
-    build, names = _QUANTIZERS[m[1]]
-    return build(**_arguments(text, m[2], names))
+    quantizer, names = _QUANTIZERS[m[1]]
+    return quantizer(**_arguments(text, m[2], names))
 
 
 def _arguments(text: str, args: str, names: tuple[str, ...]) -> dict[str, float]:

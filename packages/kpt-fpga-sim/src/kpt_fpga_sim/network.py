@@ -572,7 +572,8 @@ def _folds(gm: torch.fx.GraphModule) -> dict[str, str]:
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.modules.batchnorm._BatchNorm):
             continue
         src = node.args[0]
-        if (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(src.users) == 1
+        if (isinstance(src, torch.fx.Node) and src.op == "call_module" and isinstance(src.target, str)
+                and len(src.users) == 1
                 and isinstance(gm.get_submodule(src.target), (nn.Linear, nn.Conv1d, nn.Conv2d))):
             out[src.name] = node.name
     return out

@@ -76,7 +76,7 @@ class _Pointer:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.dtype = t.dtype
-        self._address = (1 << 20) + t.storage_offset() * t.element_size()
+        self._address = (1 << 20) + int(t.storage_offset()) * t.element_size()
 
     def data_ptr(self) -> int:
         return self._address
@@ -109,8 +109,10 @@ def _recording(target: Target) -> Iterator[list[Launch]]:
         kw = {k: _Pointer(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         launches.append(Launch(self.fn.__module__, self.fn.__name__, tuple(wrap), tuple(kw.items())))
 
-    JITFunction.run, tiling.multiprocessor_count = record, lambda device: target.units
-    attention_tiles.shared_memory = lambda device: target.shared_limit
+    JITFunction.run = record
+    # the cached device queries replaced by the target's numbers (setattr: not their cached type)
+    setattr(tiling, "multiprocessor_count", lambda device: target.units)  # noqa: B010
+    setattr(attention_tiles, "shared_memory", lambda device: target.shared_limit)  # noqa: B010
     try:
         yield launches
     finally:
@@ -221,7 +223,10 @@ def _ptxas(ptx: str, target: Target) -> tuple[int, int]:
         ptxas = get_ptxas(arch).path
         log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}",
                               src.name, "-o", f"{out}/k.cubin"], capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    used = re.search(r"Used (\d+) registers", log)
+    if used is None:
+        raise RuntimeError(f"ptxas -v reported no register count for the kernel:\n{log}")
+    regs = int(used.group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     return regs, spills
 
