@@ -339,7 +339,8 @@ def usage(session: nox.Session) -> None:
     """What a newcomer meets first, on the installed packages: every kernel compiled before any
     eager call, forward and backward, in a fresh process per conformance profile; the README's
     Python snippets (transformers installed for the one that patches a model); mypy over a user's
-    first script and over kpt-core itself (tests/). The `models` sessions test kpt.patch itself."""
+    first script and over every package that ships py.typed (tests/). The `models` sessions test
+    kpt.patch itself."""
     _install(session, *PACKAGES[len(BASE):], extra=USAGE_EXTRA)
     for backend, _, _, env in PROFILES.values():
         session.run("python", "scripts/compile_first.py", "--backend", backend, env=env)
