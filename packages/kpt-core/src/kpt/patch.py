@@ -205,7 +205,9 @@ def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
             "the 4-D boolean masks transformers builds for attn_implementation='sdpa' (load the model with it), "
             "or patch with kpt.patch(model, attention=False) to keep transformers' attention")
     mask = attention_mask[..., :skv]
-    if causal and not torch.compiler.is_compiling() and not any(r() is attention_mask for r in _within_causal):
+    # one query (a decode step) sees every key under the bottom-right causal mask: nothing to check
+    eager = not torch.compiler.is_compiling()
+    if causal and sq > 1 and eager and not any(r() is attention_mask for r in _within_causal):
         outside = mask & ~visible_keys(sq, skv, True, mask.device)
         if bool(outside.any()):
             raise KernelNotSupportedError(
