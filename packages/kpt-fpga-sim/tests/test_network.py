@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kpt.errors import KernelInputError, KernelNotSupportedError
-from kpt_fpga_sim import calibration, configure, estimate_model, multipliers, network
+from kpt_fpga_sim import calibration, configure, estimate_model, multipliers, network, stream
 from kpt_fpga_sim.devices import SERIES7, ULTRASCALE_PLUS, get_device, memory_blocks, operators
 from kpt_fpga_sim.formats import ap_fixed
 from kpt_fpga_sim.hls import Design, Loop, format_table, resources
@@ -192,11 +192,11 @@ def test_cnn_parallel_and_stream() -> None:
 
 def test_stream_flow_follows_every_beat() -> None:
     # iteration i starts when its beat is in and iteration i - 1 is ii cycles old
-    flow = network._Flow(torch.tensor([0, 1, -1, 2]), 2, torch.tensor([True, False, True, True]), 3)
+    flow = stream.Flow(torch.tensor([0, 1, -1, 2]), 2, torch.tensor([True, False, True, True]), 3)
     out, done = flow.run(torch.tensor([0, 10, 11]))
     assert out.tolist() == [3, 15, 17] and done == 17          # starts 0, 10, 12, 14
     # a padded row: the padding pixels wait for the input pixel before them
-    deps, index = network._padded_sources((2,), [(1, 2)])
+    deps, index = stream.padded_sources((2,), [(1, 2)])
     assert deps.tolist() == [-1, 0, 1, 1, 1] and index[0].tolist() == [0, 1, 2, 3, 4]
 
     from torch.nn import functional as F

@@ -14,8 +14,8 @@ A whole network as a constant-weight (hls4ml-style) design, layer by layer:
     print(report)                                        # like a C-synthesis summary
 
 Number formats: `kpt_fpga_sim.formats`; cost model: `kpt_fpga_sim.hls`; devices and operator
-library: `kpt_fpga_sim.devices`; networks: `kpt_fpga_sim.network`, `multipliers`, `calibration`;
-the C-simulation check: `kpt_fpga_sim.csim`.
+library: `kpt_fpga_sim.devices`; networks: `kpt_fpga_sim.network`, its io_stream timing
+`kpt_fpga_sim.stream`, `multipliers`, `calibration`; the C-simulation check: `kpt_fpga_sim.csim`.
 """
 
 from __future__ import annotations

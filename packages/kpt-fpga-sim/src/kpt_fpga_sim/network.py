@@ -24,9 +24,9 @@ from memory (`kpt_fpga_sim.kernels.linear`) but a fixed circuit:
   the window shift (C·K² − `WINDOW_SHIFT_SAVED` cycles) plus the whole product (a C-synthesis
   report gives this worst case); ReLU, batch-norm and the table activations take a beat a cycle;
   pooling emits an output at each pixel that completes a window; a dense layer or softmax reads
-  all its beats, computes, writes. The layers overlap: `_Flow` follows every beat through the
-  chain (a layer's iteration starts when its input beat has arrived and its previous iteration
-  is done), so the latency is the fill of the chain plus the image at the slowest layer's rate,
+  all its beats, computes, writes. The layers overlap: `kpt_fpga_sim.stream` follows every
+  beat through the chain (a layer's iteration starts when its input beat has arrived and its
+  previous iteration is done), so the latency is the fill of the chain plus the image at the slowest layer's rate,
   and the interval the slowest layer's, not the sum of the layers.
 * Batch-norm after a dense or convolution is folded into its weights and bias; alone it is a
   constant multiply and add per element. ReLU is a comparison and a select; softmax, sigmoid and
@@ -59,6 +59,7 @@ from . import multipliers
 from .devices import LIMITS, RESOURCES, Device, get_device, memory_blocks
 from .fixed import bits_for
 from .formats import ApFixed, parse_format
+from .stream import Flow, fifo, padded_sources, window_registers
 
 STRATEGIES = ("latency", "resource")
 IOS = ("parallel", "stream")
@@ -74,9 +75,6 @@ WINDOW_SHIFT_SAVED = 3
 """Cycles fewer than C·K² that a resource-strategy convolution spends shifting its window per
 pixel (fitted to the two convolutions of the pominiq/DNNonSilicon report: 6 cycles at C·K² = 9,
 34 at 36)."""
-SRL_DEPTH = 32
-"""A FIFO at most this deep is built of shift-register LUTs (SRLC32E), a deeper one in block RAM
-(in the published hls4ml CNN report, FIFOs 36 deep take a BRAM, 16 deep none)."""
 
 
 @dataclass(frozen=True)
@@ -194,53 +192,9 @@ class _Cost:
     architecture: str = ""
     reuse: int = 1
     note: str = ""
-    flow: _Flow | None = None
+    flow: Flow | None = None
     """How the layer consumes and emits stream beats (io_stream); None: a beat in, a beat out
     (or, for fewer output beats, all of them after the last input)."""
-
-
-@dataclass(frozen=True)
-class _Flow:
-    """A streamed layer as a loop: iteration ``i`` waits for input beat ``deps[i]`` (-1: none)
-    and for iteration ``i - 1`` (``ii`` cycles earlier at the soonest); the iterations of
-    ``emits`` write an output beat, ``depth`` cycles after they start."""
-
-    deps: torch.Tensor
-    ii: int
-    emits: torch.Tensor
-    depth: int = 1
-
-    def run(self, arrivals: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``(output beat times, when the last iteration is done)`` for input beats arriving at
-        ``arrivals`` (cycles from the start of the design)."""
-        n = self.deps.numel()
-        ready = torch.where(self.deps >= 0, arrivals[self.deps.clamp_min(0)], 0)
-        steps = torch.arange(n, dtype=torch.int64) * self.ii
-        # start[i] = max(ready[i], start[i-1] + ii) = i·ii + max over j <= i of (ready[j] - j·ii)
-        start = steps + torch.cummax(ready - steps, 0).values
-        return start[self.emits] + self.depth, int(start[-1]) + self.depth
-
-
-def _flow(deps: torch.Tensor, ii: int, emits: torch.Tensor, latency: int) -> _Flow:
-    """The `_Flow` of a layer whose standalone latency (input beats waiting) is ``latency``."""
-    return _Flow(deps, ii, emits, max(latency - (deps.numel() - 1) * ii, 1))
-
-
-def _beats_flow(beats_in: int, beats_out: int, latency: int) -> _Flow:
-    """A beat in, a beat out (equal counts), or every output after the last input beat."""
-    emits = torch.ones(beats_in, dtype=torch.bool) if beats_in == beats_out else \
-        torch.arange(beats_in) >= beats_in - beats_out
-    return _flow(torch.arange(beats_in), 1, emits, latency)
-
-
-def _fifo(width: int, depth: int, device: Device) -> dict[str, int]:
-    """A FIFO of ``width`` × ``depth`` bits: shift-register LUTs (32 deep each) up to
-    `SRL_DEPTH`, block RAM beyond."""
-    if width * depth == 0:
-        return {}
-    if depth <= SRL_DEPTH:
-        return {"lut": width * math.ceil(depth / SRL_DEPTH)}
-    return memory_blocks(width, depth, device, lutram=False)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -364,7 +318,7 @@ def _conv(ctx: _Ctx, mod, w, b, x: _Tensor, y: _Tensor, s: Settings) -> _Cost:
     pad = mod.padding if isinstance(mod.padding, tuple) else (mod.padding,) * len(kernel)
     padded = [d + 2 * p for d, p in zip(x.shape[1:], pad)]
     in_pixels = math.prod(padded)
-    window = _window_registers(kernel, padded[-1], c, x.bits)
+    window = window_registers(kernel, padded[-1], c, x.bits)
     # the loop over every padded input pixel: pipelined at II = R (latency strategy), or not
     # pipelined, each pixel shifting the window and computing a whole product (resource)
     if s.strategy == "latency":
@@ -373,33 +327,12 @@ def _conv(ctx: _Ctx, mod, w, b, x: _Tensor, y: _Tensor, s: Settings) -> _Cost:
         ii = core.latency + max(c * math.prod(kernel) - WINDOW_SHIFT_SAVED, 1)
         depth = ii
     latency = (in_pixels - 1) * ii + depth
-    deps, index = _padded_sources(x.shape[1:], [(p, p) for p in pad])
+    deps, index = padded_sources(x.shape[1:], [(p, p) for p in pad])
     emits = torch.ones(in_pixels, dtype=torch.bool)
     for d, k in enumerate(kernel):
         emits &= index[d] >= k - 1
-    return replace(core, latency=latency, interval=in_pixels * ii + 1, flow=_Flow(deps, ii, emits, depth),
+    return replace(core, latency=latency, interval=in_pixels * ii + 1, flow=Flow(deps, ii, emits, depth),
                    lut=core.lut + window, ff=core.ff + window, architecture=core.architecture + ", line buffer")
-
-
-def _padded_sources(spatial: tuple[int, ...], pads: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """For each pixel of the image zero-padded by ``pads`` (before, after per dimension) in raster
-    order: the last input pixel it waits for (itself, or the input pixel before a padding one; -1
-    before the first), and its coordinates."""
-    padded = [d + a + b for d, (a, b) in zip(spatial, pads)]
-    index = [t.reshape(-1) for t in torch.meshgrid(*(torch.arange(n) for n in padded), indexing="ij")]
-    inside = torch.ones(math.prod(padded), dtype=torch.bool)
-    for i, n, (a, _) in zip(index, spatial, pads):
-        inside &= (i >= a) & (i < a + n)
-    source = torch.where(inside, torch.cumsum(inside.to(torch.int64), 0) - 1, -1)
-    return torch.cummax(source, 0).values, index
-
-
-def _window_registers(kernel: tuple[int, ...], width: int, channels: int, bits: int) -> int:
-    """Register bits of a streamed window: the K-1 lines above it (2-D) and the window itself,
-    all channels. Registers (not shift-register LUTs: hls4ml's line buffers shift only when a
-    pixel arrives), each with a hold multiplexer: as many LUTs."""
-    lines = (kernel[0] - 1) * width if len(kernel) == 2 else 0
-    return (lines + math.prod(kernel)) * channels * bits
 
 
 def _elementwise(ctx: _Ctx, x: _Tensor, depth: int) -> tuple[int, int, int]:
@@ -473,14 +406,14 @@ def _pool(ctx: _Ctx, kind: str, kernel: tuple[int, ...], x: _Tensor, y: _Tensor,
     if window == x.beats:       # global pooling: one running max or sum per channel
         regs, per_out = 0, per_out // max(window - 1, 1)
     else:
-        regs = _window_registers(kernel, x.shape[-1], lanes, x.bits)
+        regs = window_registers(kernel, x.shape[-1], lanes, x.bits)
     latency = x.beats + ctx.stages(bits_for(window) * ctx.family.add_ns) + 1
     emits = torch.ones(x.beats, dtype=torch.bool)
     for i, k, n in zip(torch.meshgrid(*(torch.arange(d) for d in x.shape[1:]), indexing="ij"), kernel, y.shape[1:]):
         emits &= ((i.reshape(-1) % k) == k - 1) & (i.reshape(-1) < n * k)
     return _Cost(latency, latency + 1, lut=lanes * per_out + regs, ff=2 * lanes * w + regs,
                  architecture=f"{kind} over {window}, streamed",
-                 flow=_flow(torch.arange(x.beats), 1, emits, latency))
+                 flow=Flow.from_latency(torch.arange(x.beats), 1, emits, latency))
 
 
 def _bn_affine(mod) -> tuple[torch.Tensor, torch.Tensor]:
@@ -661,15 +594,15 @@ def estimate_model(model: nn.Module, example: torch.Tensor, *, format: str | ApF
             tensors[node.name] = replace(y, bits=x.bits, stream_beats=x.beats if io == "stream" else None)
             continue
         if io == "stream":
-            flow = cost.flow or _beats_flow(x.beats, y.beats, cost.latency)
+            flow = cost.flow or Flow.beats(x.beats, y.beats, cost.latency)
             arrivals[node.name], finished = flow.run(arrivals[src.name])
             done = max(done, finished)
             # the FIFO to the next layer: one per channel (per element of a flat vector), as deep
             # as the layer writes beats
-            fifo = _fifo(y.bits, y.beats, dev)
+            buffer = fifo(y.bits, y.beats, dev)
             lanes = y.shape[0]
-            cost = replace(cost, lut=cost.lut + lanes * fifo.get("lut", 0),
-                           bram18=cost.bram18 + lanes * fifo.get("bram18", 0))
+            cost = replace(cost, lut=cost.lut + lanes * buffer.get("lut", 0),
+                           bram18=cost.bram18 + lanes * buffer.get("bram18", 0))
         reports.append(LayerReport(name, op, cost.architecture, cost.reuse, cost.latency, cost.interval,
                                    cost.dsp, cost.lut, cost.ff, cost.bram18, cost.uram, cost.note))
     return _network(type(model).__name__, ctx, fmt, strategy, reports, input_bits, done)
@@ -717,9 +650,9 @@ def _layer(ctx: _Ctx, gm, node, mod, key, x: _Tensor, y: _Tensor, s: Settings, f
         widths = widths if len(widths) > 1 else widths * 2 * (len(x.shape) - 1)
         # torch lists (before, after) from the last dimension back
         pads = [(widths[2 * d], widths[2 * d + 1]) for d in range(len(x.shape) - 1)][::-1]
-        deps, _ = _padded_sources(x.shape[1:], pads)
+        deps, _ = padded_sources(x.shape[1:], pads)
         return _Cost(y.beats + 1, y.beats + 1, ff=2 * y.shape[0] * y.bits, architecture="zero insertion",
-                     flow=_flow(deps, 1, torch.ones(y.beats, dtype=torch.bool), y.beats + 1)), "pad"
+                     flow=Flow.from_latency(deps, 1, torch.ones(y.beats, dtype=torch.bool), y.beats + 1)), "pad"
     raise KernelNotSupportedError(f"estimate_model: {node.name} ({getattr(key, '__name__', key)}) is not a "
                                   "layer this estimate models")
 
@@ -737,7 +670,7 @@ def _network(model: str, ctx: _Ctx, fmt: ApFixed, strategy: str, reports: list[L
         latency = 1 + sum(r.latency_cycles + 1 for r in active if r.op != "relu")
         extra_ff = input_bits
     else:
-        # the layers overlap (DATAFLOW): the design is done when its last layer is (`_Flow`)
+        # the layers overlap (DATAFLOW): the design is done when its last layer is (`Flow`)
         latency = 1 + stream_done
         extra_ff = 0
     interval = max([r.interval for r in active] or [1])
