@@ -1,5 +1,5 @@
 """Run every kernel of a backend once, forward and backward, on its conformance cases and, with
-value checks off, on its out-of-range index values (`KernelSpec.bad_values`).
+value checks off, on its out-of-range index values (`KernelSpec.bad_indices`).
 
 Meant to run under a memory checker, where the full suite would be too slow:
 
@@ -57,8 +57,8 @@ def main() -> int:
                     continue
                 run(spec, case.make(g, dtype), case.grad, f"{case.name} {str(dtype).split('.')[-1]}")
                 calls += 1
-        with kpt.checked_values(False):
-            for bad in spec.bad_values():
+        with kpt.checking_indices(False):
+            for bad in spec.bad_indices():
                 run(spec, bad.make(), True, f"bad value: {bad.name}")
                 calls += 1
         if be.device().type == "cuda":

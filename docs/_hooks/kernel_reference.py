@@ -77,9 +77,9 @@ def _section(spec: kpt.KernelSpec) -> str:
         lines += ["**Errors** — each invalid call below must raise the error named:", "",
                   "| invalid call | raises |", "|---|---|",
                   *(f"| `{b.name}` | `{b.error.__name__}` |" for b in bad), ""]
-    values = spec.bad_values()
+    values = spec.bad_indices()
     if values:
-        lines += ["**Index values** out of range (checked under `kpt.checked_values()`, which raises "
+        lines += ["**Index values** out of range (checked under `kpt.checking_indices()`, which raises "
                   "`KernelInputError` naming the argument; otherwise the kernel's defined result):", "",
                   *(f"- `{v.name}` (argument `{v.arg}`)" for v in values), ""]
     return "\n".join(lines)

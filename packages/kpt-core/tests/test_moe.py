@@ -254,7 +254,7 @@ def test_reference_names_the_first_bad_routing_value() -> None:
 def test_unchecked_dispatch_sorts_unrouted_pairs_last() -> None:
     x = torch.randn(3, 4, dtype=torch.float64)
     indices = torch.tensor([[1, -1], [7, 0], [1, 2]], dtype=torch.int32)  # 3 experts: -1 and 7 unrouted
-    with kpt.checked_values(False):
+    with kpt.checking_indices(False):
         x_sorted, offsets, order = REF.moe_dispatch(x, indices, 3)
     assert offsets.tolist() == [0, 1, 3, 4]
     assert order.tolist() == [3, 0, 4, 5, 1, 2]
@@ -263,7 +263,7 @@ def test_unchecked_dispatch_sorts_unrouted_pairs_last() -> None:
 
 def test_unchecked_grouped_linear_reads_bounds_clamped_and_non_decreasing() -> None:
     x, w = torch.randn(10, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
-    with kpt.checked_values(False):
+    with kpt.checking_indices(False):
         y = REF.grouped_linear(x, torch.tensor([-4, 6, 2, 99], dtype=torch.int32), w)
     # read as [0, 6, 6, 10]: expert 0 rows 0..5, expert 1 none, expert 2 rows 6..9
     torch.testing.assert_close(y, torch.cat([x[:6] @ w[0].T, x[6:] @ w[2].T]))
@@ -275,23 +275,23 @@ def test_unchecked_combine_ignores_bad_order_values_and_takes_the_last_repeat() 
     y_sorted = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     weights = torch.ones(2, 2, dtype=torch.float64)
     order = torch.tensor([0, 9, 0, 3], dtype=torch.int32)  # pair 0 named by rows 0 and 2, pairs 1, 2 by none
-    with kpt.checked_values(False):
+    with kpt.checking_indices(False):
         y = REF.moe_combine(y_sorted, order, weights)
     torch.testing.assert_close(y, torch.stack([y_sorted[2], y_sorted[3]]).detach())
     y.sum().backward()
     assert y_sorted.grad[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # only the rows the forward read
 
 
-def test_values_checked_by_context_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kpt.spec import values_checked
+def test_indices_checked_by_context_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kpt.spec import indices_checked
 
-    monkeypatch.delenv("KPT_CHECK_VALUES", raising=False)
-    assert not values_checked(False) and values_checked(True)
-    monkeypatch.setenv("KPT_CHECK_VALUES", "1")
-    assert values_checked(False)
-    with kpt.checked_values(False):
-        assert not values_checked(True) and not values_checked(False)
-    monkeypatch.setenv("KPT_CHECK_VALUES", "0")
-    with kpt.checked_values():
-        assert values_checked(False)
-    assert not values_checked(False)
+    monkeypatch.delenv("KPT_CHECK_INDICES", raising=False)
+    assert not indices_checked(False) and indices_checked(True)
+    monkeypatch.setenv("KPT_CHECK_INDICES", "1")
+    assert indices_checked(False)
+    with kpt.checking_indices(False):
+        assert not indices_checked(True) and not indices_checked(False)
+    monkeypatch.setenv("KPT_CHECK_INDICES", "0")
+    with kpt.checking_indices():
+        assert indices_checked(False)
+    assert not indices_checked(False)

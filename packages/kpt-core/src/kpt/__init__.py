@@ -30,16 +30,16 @@ from .registry import (
                        reload_backends,
                        use_backend,
 )
-from .spec import FLOAT_DTYPES, BadInput, BadValues, Case, KernelSpec, checked_values
+from .spec import FLOAT_DTYPES, BadIndices, BadInput, Case, KernelSpec, checking_indices
 from .tolerance import Tolerance, default_tolerance
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECIAL_VALUES", "SPECS", "AutoModelForCausalLM", "Backend", "BackendError",
-    "BackendInfo", "BackendList", "BadInput", "BadValues", "Case", "Kernel", "KernelInputError",
+    "BackendInfo", "BackendList", "BadInput", "BadIndices", "Case", "Kernel", "KernelInputError",
     "KernelNotSupportedError", "KernelSpec", "PatchSummary", "PerfBar", "Registry", "Tolerance", "backend_for",
-    "checked_values", "default_tolerance", "describe_missing", "get_backend", "hookimpl", "info", "kernels_from",
+    "checking_indices", "default_tolerance", "describe_missing", "get_backend", "hookimpl", "info", "kernels_from",
     "list_backends", "list_kernels", "missing_kernels", "nn", "patch", "reload_backends", "torch_autograd", "unpatch",
     "use_backend",
 ]

@@ -28,7 +28,7 @@ from .errors import BackendError, KernelInputError, KernelNotSupportedError
 from .kernels import SPECS
 from .methods import KernelMethods
 from .ops import Kernel, as_tuple, eager_functions, register_all
-from .spec import FLOAT_DTYPES, KernelSpec, values_checked
+from .spec import FLOAT_DTYPES, KernelSpec, indices_checked
 from .tolerance import Tolerance
 
 NAME = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
@@ -77,9 +77,9 @@ class Backend(KernelMethods):
     """Simulators (fpga-sim) are never selected automatically."""
     contract_version: ClassVar[int] = CONTRACT_VERSION
     dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
-    checks_values: ClassVar[bool] = False
+    checks_indices: ClassVar[bool] = False
     """Check index values (targets, expert ids, offsets, permutations) on every call, not only in
-    checked mode (`kpt.checked_values`): for backends where reading them costs nothing (CPU)."""
+    checked mode (`kpt.checking_indices`): for backends where reading them costs nothing (CPU)."""
 
     def is_available(self) -> tuple[bool, str]:
         """``(True, "")`` when it can run on this machine, else ``(False, why not)``."""
@@ -183,8 +183,8 @@ class Backend(KernelMethods):
         traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
         if not traced and (dtensors := _distributed(self, values, tensors)) is not None:
             values, traced = dtensors, True
-        if spec.check_values is not None and not traced and values_checked(self.checks_values):
-            spec.check_values(bound)
+        if spec.check_indices is not None and not traced and indices_checked(self.checks_indices):
+            spec.check_indices(bound)
         if traced:
             # one op for the compiler to trace (or to run its fake implementation on meta tensors)
             if not spec.differentiable:

@@ -173,7 +173,7 @@ class KernelMethods(abc.ABC):
         ``label_smoothing`` in [0, 1], computed in float32 (float64 for float64). Rows whose target is
         ``ignore_index`` give 0 and are not counted; ``reduction`` is ``"mean"`` (over counted rows; 0,
         never NaN, when every row is ignored), ``"sum"`` or ``"none"``. A target outside ``[0, V)`` that
-        is not ``ignore_index`` raises in checked mode (`kpt.checked_values`); unchecked, its row's loss
+        is not ``ignore_index`` raises in checked mode (`kpt.checking_indices`); unchecked, its row's loss
         is NaN (so a reduced loss is NaN) and its gradient lacks the target's term.
         ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
         float32 (float64 for float64) whatever the logits' dtype, as ``F.cross_entropy(logits.float())``.

@@ -45,7 +45,7 @@ class ReferenceBackend(Backend):
     device_type = "cpu"
     priority = 0
     dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-    checks_values = True
+    checks_indices = True
 
     def kernels(self) -> dict[str, Kernel]:
         return {name: Kernel(spec.forward, spec.backward) for name, spec in SPECS.items()}

@@ -15,9 +15,11 @@ under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
 * ``flops`` and `KernelSpec.min_bytes`: the cost model used by benchmarks (each input read
   once, each output written once);
 * ``cases`` / ``bad_inputs``: what the conformance suite runs;
-* ``check_values`` / ``bad_values``: for kernels with index-like inputs (targets, expert ids,
-  offsets, permutations), the checks that read those values from the device, run only where
-  values are checked (see `checked_values`), and the out-of-range calls that exercise them;
+* ``check_indices`` / ``bad_indices``: for kernels with index-like inputs (targets, expert ids,
+  offsets, permutations), the *index checks* that read those values from the device, and the
+  out-of-range calls (`BadIndices`) that exercise them. "Index checks" is the one word for this
+  idea everywhere: a call runs them inside `checking_indices` (or under ``KPT_CHECK_INDICES=1``),
+  or by default on a backend whose `Backend.checks_indices` is true;
 * ``sharding``: how the kernel runs on DTensor shards (`Strategy`, used by `kpt.distributed`);
 * ``memory_bound`` and ``peers``: what benchmarks and speed bars compare the kernel with;
 * ``rounding``, ``kink`` and ``alternative_gradients``: where the conformance check
@@ -149,7 +151,7 @@ class BadInput:
 
 
 @dataclass(frozen=True)
-class BadValues:
+class BadIndices:
     """A call whose shapes and dtypes are valid but whose index values are not: ``arg`` holds a
     value out of range (or, for a permutation, repeated). Checked mode must raise a
     `KernelInputError` naming ``arg``; without checks the kernel must still stay inside its
@@ -187,10 +189,10 @@ class KernelSpec:
     reusable: tuple[str, ...] = ()
     """Saved outputs the backward may overwrite and return as gradients (gradients the forward
     prepared, which nothing else reads), so that scaling them costs no second tensor."""
-    check_values: Callable[[Args], None] | None = None
+    check_indices: Callable[[Args], None] | None = None
     """Checks the values of index-like inputs (reading them from the device), raising
     `KernelInputError` at the first offending position; run where values are checked."""
-    bad_values: Callable[[], list[BadValues]] = lambda: []
+    bad_indices: Callable[[], list[BadIndices]] = lambda: []
     sharding: Sharding = no_sharding
     """The forward op's DTensor strategies; the backward op's are derived from them."""
     memory_bound: bool = False
@@ -262,35 +264,35 @@ class KernelSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checked mode: whether index values are read and checked before a kernel runs.
+# Index checks: whether index values are read and checked before a kernel runs.
 
-_CHECK_VALUES: ContextVar[bool | None] = ContextVar("kpt_check_values", default=None)
+_CHECK_INDICES: ContextVar[bool | None] = ContextVar("kpt_check_indices", default=None)
 
 
 @contextlib.contextmanager
-def checked_values(enabled: bool = True) -> Iterator[None]:
+def checking_indices(enabled: bool = True) -> Iterator[None]:
     """Inside, every call checks the values of its index-like inputs (``True``) or none does
-    (``False``), whatever the backend's default and ``$KPT_CHECK_VALUES``.
+    (``False``), whatever the backend's default and ``$KPT_CHECK_INDICES``.
 
     A check reads the values back to the host (a device synchronization), so GPU backends check
-    only when asked: ``with kpt.checked_values(): ...`` or ``KPT_CHECK_VALUES=1``. Backends whose
-    `Backend.checks_values` is true (the reference, the FPGA simulator) check by default. Calls
+    only when asked: ``with kpt.checking_indices(): ...`` or ``KPT_CHECK_INDICES=1``. Backends whose
+    `Backend.checks_indices` is true (the reference, the FPGA simulator) check by default. Calls
     traced by ``torch.compile`` are not checked (a check would read the device inside the graph).
     """
-    token = _CHECK_VALUES.set(enabled)
+    token = _CHECK_INDICES.set(enabled)
     try:
         yield
     finally:
-        _CHECK_VALUES.reset(token)
+        _CHECK_INDICES.reset(token)
 
 
-def values_checked(backend_default: bool) -> bool:
-    """Whether a call checks index values now: `checked_values` if inside one, else the
-    backend's default or ``$KPT_CHECK_VALUES``."""
-    enabled = _CHECK_VALUES.get()
+def indices_checked(backend_default: bool) -> bool:
+    """Whether a call checks index values now: `checking_indices` if inside one, else the
+    backend's default or ``$KPT_CHECK_INDICES``."""
+    enabled = _CHECK_INDICES.get()
     if enabled is not None:
         return enabled
-    return backend_default or os.environ.get("KPT_CHECK_VALUES", "") not in ("", "0")
+    return backend_default or os.environ.get("KPT_CHECK_INDICES", "") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------

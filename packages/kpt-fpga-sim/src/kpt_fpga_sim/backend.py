@@ -54,7 +54,7 @@ class FpgaSimBackend(Backend):
     simulator = True
     # a simulated design has no defined behavior for out-of-range index values; on the CPU
     # checking them costs nothing
-    checks_values = True
+    checks_indices = True
 
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or from_environment()

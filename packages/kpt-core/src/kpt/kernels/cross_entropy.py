@@ -37,8 +37,8 @@ from torch import Tensor
 from ..spec import (
     PARTIAL,
     Args,
+    BadIndices,
     BadInput,
-    BadValues,
     Case,
     Check,
     KernelSpec,
@@ -70,7 +70,7 @@ def cross_entropy(
     ``label_smoothing`` in [0, 1], computed in float32 (float64 for float64). Rows whose target is
     ``ignore_index`` give 0 and are not counted; ``reduction`` is ``"mean"`` (over counted rows; 0,
     never NaN, when every row is ignored), ``"sum"`` or ``"none"``. A target outside ``[0, V)`` that
-    is not ``ignore_index`` raises in checked mode (`kpt.checked_values`); unchecked, its row's loss
+    is not ``ignore_index`` raises in checked mode (`kpt.checking_indices`); unchecked, its row's loss
     is NaN (so a reduced loss is NaN) and its gradient lacks the target's term.
     ``logits``: ``[N, V]`` float; ``target``: ``[N]`` int64. Returns a scalar (``[N]`` for "none") in
     float32 (float64 for float64) whatever the logits' dtype, as ``F.cross_entropy(logits.float())``.
@@ -113,16 +113,16 @@ def validate_cross_entropy(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return a
 
 
-def _check_target_values(kernel: str, a: Args, classes: int) -> None:
+def _check_target_indices(kernel: str, a: Args, classes: int) -> None:
     Check(kernel, ()).values_in("target", a["target"], 0, classes, "the classes", allowed=a["ignore_index"])
 
 
-def check_cross_entropy_values(a: Args) -> None:
-    _check_target_values("cross_entropy", a, a["logits"].shape[1])
+def check_cross_entropy_indices(a: Args) -> None:
+    _check_target_indices("cross_entropy", a, a["logits"].shape[1])
 
 
-def check_linear_cross_entropy_values(a: Args) -> None:
-    _check_target_values("linear_cross_entropy", a, a["weight"].shape[0])
+def check_linear_cross_entropy_indices(a: Args) -> None:
+    _check_target_indices("linear_cross_entropy", a, a["weight"].shape[0])
 
 
 def validate_linear_cross_entropy(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
@@ -453,7 +453,7 @@ def _bad_inputs_lce() -> list[BadInput]:
     ]
 
 
-def _target_values(make: Any, classes: int) -> list[BadValues]:
+def _bad_targets(make: Any, classes: int) -> list[BadIndices]:
     """Targets out of range among valid and ignored ones; ``make(target)`` builds the call."""
     def call(bad: list[int]) -> Args:
         g = torch.Generator().manual_seed(len(bad))
@@ -462,27 +462,27 @@ def _target_values(make: Any, classes: int) -> list[BadValues]:
         return make(g, target)
 
     return [
-        BadValues("target_equals_classes", lambda: call([classes]), "target"),
-        BadValues("target_negative", lambda: call([-1, -5, -99]), "target"),
-        BadValues("target_int64_extremes", lambda: call([2**63 - 1, -(2**63), 2**31, -(2**31) - 1]), "target"),
+        BadIndices("target_equals_classes", lambda: call([classes]), "target"),
+        BadIndices("target_negative", lambda: call([-1, -5, -99]), "target"),
+        BadIndices("target_int64_extremes", lambda: call([2**63 - 1, -(2**63), 2**31, -(2**31) - 1]), "target"),
     ]
 
 
-def _bad_values_ce() -> list[BadValues]:
+def _bad_indices_ce() -> list[BadIndices]:
     def make(g: torch.Generator, target: Tensor) -> Args:
         return {"logits": randn(g, 32, 100, dtype=torch.float32), "target": target, "ignore_index": -100,
                 "label_smoothing": 0.1, "reduction": "none"}
 
-    return _target_values(make, 100)
+    return _bad_targets(make, 100)
 
 
-def _bad_values_lce() -> list[BadValues]:
+def _bad_indices_lce() -> list[BadIndices]:
     def make(g: torch.Generator, target: Tensor) -> Args:
         return {"hidden": randn(g, 32, 64, dtype=torch.float32),
                 "weight": randn(g, 100, 64, dtype=torch.float32, scale=0.125), "target": target,
                 "bias": None, "ignore_index": -100, "reduction": "none"}
 
-    return _target_values(make, 100)
+    return _bad_targets(make, 100)
 
 
 def linear_cross_entropy_rounded_dz(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -547,8 +547,8 @@ CROSS_ENTROPY = KernelSpec(
     flops=_cross_entropy_flops,
     cases=_cross_entropy_cases,
     bad_inputs=_bad_inputs_ce,
-    check_values=check_cross_entropy_values,
-    bad_values=_bad_values_ce,
+    check_indices=check_cross_entropy_indices,
+    bad_indices=_bad_indices_ce,
     sharding=_cross_entropy_sharding,
     memory_bound=True,
     peers=("liger",),
@@ -568,8 +568,8 @@ LINEAR_CROSS_ENTROPY = KernelSpec(
     flops=_linear_cross_entropy_flops,
     cases=_linear_cross_entropy_cases,
     bad_inputs=_bad_inputs_lce,
-    check_values=check_linear_cross_entropy_values,
-    bad_values=_bad_values_lce,
+    check_indices=check_linear_cross_entropy_indices,
+    bad_indices=_bad_indices_lce,
     sharding=_linear_cross_entropy_sharding,
     rounding=linear_cross_entropy_rounded_dz,
     peers=("liger",),

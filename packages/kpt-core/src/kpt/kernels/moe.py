@@ -22,7 +22,7 @@ Backward, with w the gating weights and dw their gradient:
 The reference runs on fake tensors, so it never reads routing values on the host: the per-expert
 matmul is E masked dense matmuls (E times the work of a real kernel, exact all the same).
 
-Routing values are checked only where values are checked (`kpt.checked_values`; the reference
+Routing values are checked only where values are checked (`kpt.checking_indices`; the reference
 backend always): reading them would synchronize with the device. Unchecked, every backend stays
 inside its tensors and gives these defined results for values out of range:
 
@@ -46,8 +46,8 @@ from torch import Tensor
 from ..spec import (
     PARTIAL,
     Args,
+    BadIndices,
     BadInput,
-    BadValues,
     Case,
     Check,
     KernelSpec,
@@ -184,11 +184,11 @@ def validate_moe_combine(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return a
 
 
-def check_moe_dispatch_values(a: Args) -> None:
+def check_moe_dispatch_indices(a: Args) -> None:
     Check("moe_dispatch", ()).values_in("indices", a["indices"], 0, a["num_experts"], "num_experts")
 
 
-def check_grouped_linear_values(a: Args) -> None:
+def check_grouped_linear_indices(a: Args) -> None:
     c = Check("grouped_linear", ())
     offsets, rows = a["offsets"], a["x_sorted"].shape[0]
     c.values_in("offsets", offsets, 0, rows + 1, f"x_sorted has {rows} rows")
@@ -199,7 +199,7 @@ def check_grouped_linear_values(a: Args) -> None:
                                 "expected non-decreasing")
 
 
-def check_moe_combine_values(a: Args) -> None:
+def check_moe_combine_indices(a: Args) -> None:
     c = Check("moe_combine", ())
     order = a["order"]
     c.values_in("order", order, 0, order.shape[0], "the T·k pairs")
@@ -580,7 +580,7 @@ def _combine_bad() -> list[BadInput]:
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _dispatch_values() -> list[BadValues]:
+def _bad_dispatch_indices() -> list[BadIndices]:
     def make(bad: list[int]) -> Args:
         g = torch.Generator().manual_seed(len(bad))
         indices = _route(g, 40, 8, 2)
@@ -589,13 +589,13 @@ def _dispatch_values() -> list[BadValues]:
         return {"x": randn(g, 40, 64, dtype=torch.float32), "indices": indices, "num_experts": 8}
 
     return [
-        BadValues("expert_equals_num_experts", lambda: make([8]), "indices"),
-        BadValues("expert_negative", lambda: make([-1] * 10), "indices"),
-        BadValues("expert_int32_extremes", lambda: make([_INT32_MAX, _INT32_MIN, 9, -3]), "indices"),
+        BadIndices("expert_equals_num_experts", lambda: make([8]), "indices"),
+        BadIndices("expert_negative", lambda: make([-1] * 10), "indices"),
+        BadIndices("expert_int32_extremes", lambda: make([_INT32_MAX, _INT32_MIN, 9, -3]), "indices"),
     ]
 
 
-def _grouped_values() -> list[BadValues]:
+def _bad_grouped_indices() -> list[BadIndices]:
     def make(offsets: list[int]) -> Args:
         g = torch.Generator().manual_seed(len(offsets))
         return {"x_sorted": randn(g, 100, 32, dtype=torch.float32),
@@ -603,14 +603,14 @@ def _grouped_values() -> list[BadValues]:
                 "weight": randn(g, len(offsets) - 1, 24, 32, dtype=torch.float32, scale=32**-0.5)}
 
     return [
-        BadValues("offsets_decreasing", lambda: make([0, 50, 20, 100]), "offsets"),
-        BadValues("offsets_past_rows", lambda: make([0, 30, 500]), "offsets"),
-        BadValues("offsets_negative", lambda: make([-7, 40, 100]), "offsets"),
-        BadValues("offsets_int32_extremes", lambda: make([0, _INT32_MAX, _INT32_MIN, 100]), "offsets"),
+        BadIndices("offsets_decreasing", lambda: make([0, 50, 20, 100]), "offsets"),
+        BadIndices("offsets_past_rows", lambda: make([0, 30, 500]), "offsets"),
+        BadIndices("offsets_negative", lambda: make([-7, 40, 100]), "offsets"),
+        BadIndices("offsets_int32_extremes", lambda: make([0, _INT32_MAX, _INT32_MIN, 100]), "offsets"),
     ]
 
 
-def _combine_values() -> list[BadValues]:
+def _bad_combine_indices() -> list[BadIndices]:
     def make(change: Callable[[Tensor], None]) -> Args:
         g = torch.Generator().manual_seed(3)
         order = _order(_route(g, 40, 8, 2))
@@ -628,9 +628,9 @@ def _combine_values() -> list[BadValues]:
         order[::2] = _INT32_MAX
 
     return [
-        BadValues("order_out_of_range", lambda: make(out_of_range), "order"),
-        BadValues("order_repeated", lambda: make(repeated), "order"),
-        BadValues("order_int32_extremes", lambda: make(extremes), "order"),
+        BadIndices("order_out_of_range", lambda: make(out_of_range), "order"),
+        BadIndices("order_repeated", lambda: make(repeated), "order"),
+        BadIndices("order_int32_extremes", lambda: make(extremes), "order"),
     ]
 
 
@@ -660,8 +660,8 @@ MOE_DISPATCH = KernelSpec(
     flops=lambda a: 0.0,
     cases=_DISPATCH_CASES,
     bad_inputs=_dispatch_bad,
-    check_values=check_moe_dispatch_values,
-    bad_values=_dispatch_values,
+    check_indices=check_moe_dispatch_indices,
+    bad_indices=_bad_dispatch_indices,
     sharding=lambda a: each_dim((1,), ("x_sorted",), ("x",)),  # routing is replicated: decided for all rows
 )
 
@@ -676,8 +676,8 @@ GROUPED_LINEAR = KernelSpec(
     flops=lambda a: 2.0 * a["x_sorted"].shape[0] * a["weight"].shape[1] * a["x_sorted"].shape[1],
     cases=_GROUPED_CASES,
     bad_inputs=_grouped_bad,
-    check_values=check_grouped_linear_values,
-    bad_values=_grouped_values,
+    check_indices=check_grouped_linear_indices,
+    bad_indices=_bad_grouped_indices,
     sharding=lambda a: [({"y": 1}, {"weight": 1}), ({"y": PARTIAL}, {"x_sorted": 1, "weight": 2})],
 )
 
@@ -692,8 +692,8 @@ MOE_COMBINE = KernelSpec(
     flops=lambda a: 2.0 * a["y_sorted"].numel(),
     cases=_COMBINE_CASES,
     bad_inputs=_combine_bad,
-    check_values=check_moe_combine_values,
-    bad_values=_combine_values,
+    check_indices=check_moe_combine_indices,
+    bad_indices=_bad_combine_indices,
     sharding=lambda a: each_dim((1,), ("y",), ("y_sorted",)),
 )
 
