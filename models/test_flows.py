@@ -134,7 +134,8 @@ def test_the_compiled_model_trains_and_infers_with_no_graph_break(family: str) -
 def test_a_compiled_model_gives_its_attention_no_mask_for_an_unpadded_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers (5.17 always, newer releases under torch < 2.14) builds the whole causal mask
     while compiling; a patched model runs under kpt's mask function (`kpt.patch.IMPLEMENTATION`),
-    which gives none, so the kernel's unmasked causal path runs. A padded batch still brings its mask, and both agree with transformers."""
+    which gives none, so the kernel's unmasked causal path runs. A padded batch still brings its
+    mask, and both agree with transformers."""
     patch_module = sys.modules["kpt.patch"]
     given, kernel_mask = [], patch_module._kernel_mask
 
