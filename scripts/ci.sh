@@ -20,7 +20,7 @@ rm -rf build/ci/env-lint
 # with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without; "newest" is the session
 # `newest` and models(transformers='newest')
 streams=(
-  "wheels or (conformance and cuda) or aot or example or docs or (models and oldest) or (install and (reference or cuda or rocm))"
+  "wheels or (conformance and cuda) or (aot and not aot_all) or example or docs or (models and oldest) or (install and (reference or cuda or rocm))"
   "(conformance and not cuda) or usage or newest or (install and (xpu or fpga or mps))"
 )
 
