@@ -127,7 +127,7 @@ IMPLEMENTATION = "kpt"
 masks (`_mask`), registered with its ``AttentionInterface`` and ``AttentionMaskInterface``."""
 
 
-def _mask(*args: Any, **kwargs: Any) -> Tensor | None:
+def _mask(**named: Any) -> Tensor | None:
     """transformers' ``sdpa_mask`` (the masks an ``sdpa`` attention gets), except that a plain causal
     mask is ``None`` under ``torch.compile`` too. transformers builds no mask when no key is padded,
     there is no window to apply and the queries are all the keys or one; below torch 2.14 it cannot
@@ -139,9 +139,6 @@ def _mask(*args: Any, **kwargs: Any) -> Tensor | None:
     left unpatched: equal lengths, or one query)."""
     from transformers.masking_utils import sdpa_mask
 
-    named = dict(zip(("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function",
-                      "attention_mask", "local_size", "allow_is_causal_skip"), args))
-    named.update(kwargs)
     q_length, kv_length, window = named.get("q_length"), named.get("kv_length"), named.get("local_size")
     if (named.get("allow_is_causal_skip", True) and named.get("attention_mask") is None
             and not isinstance(named.get("q_offset", 0), Tensor) and (window is None or kv_length < window)
