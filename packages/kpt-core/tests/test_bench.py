@@ -14,8 +14,8 @@ import torch
 import kpt
 from kpt.bench import host, measure, peers, report, roofline, sweeps, timing
 from kpt.cli import main, parser
-from kpt.kernels.attention import attention_forward
-from kpt.kernels.moe import grouped_linear_forward
+from kpt.kernels.attention import attention_fwd
+from kpt.kernels.moe import grouped_linear_fwd
 
 FIXTURE = Path(__file__).parent / "data" / "bench_h100_excerpt.json"
 """An excerpt of a recorded H100 run (attention and linear sweeps), as bench.json holds it."""
@@ -161,7 +161,7 @@ def test_sdpa_peer_takes_the_contract_causal_alignment(sq: int, skv: int, causal
     q = torch.randn(2, 4, sq, 16, generator=g)
     k, v = torch.randn(2, 2, skv, 16, generator=g), torch.randn(2, 2, skv, 16, generator=g)
     got = peers._sdpa(q, k, v, causal, None)
-    expected = attention_forward(q.double(), k.double(), v.double(), causal, 16 ** -0.5, None)[0]
+    expected = attention_fwd(q.double(), k.double(), v.double(), causal, 16 ** -0.5, None)[0]
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -169,15 +169,34 @@ def test_grouped_loop_peer_matches_the_contract() -> None:
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(10, 8, generator=g), torch.randn(3, 5, 8, generator=g)
     offsets = torch.tensor([1, 4, 4, 9], dtype=torch.int32)  # a row before the first expert, one after the last
-    expected = grouped_linear_forward(x.double(), offsets, w.double())[0]
+    expected = grouped_linear_fwd(x.double(), offsets, w.double())[0]
     torch.testing.assert_close(peers._grouped_loop(x, offsets, w).double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_liger_missing_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_libraries_are_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import fails as when not installed
-    assert peers.libraries("rms_norm") == ({}, "n/a: Liger not installed")
+    monkeypatch.setitem(sys.modules, "flag_gems", None)
+    assert peers.libraries("rms_norm") == ({}, "n/a: Liger not installed, FlagGems not installed")
+    assert peers.libraries("layer_norm") == ({}, "n/a: Liger not installed")
     assert peers.libraries("moe_gating") == ({}, "")
     assert set(peers.libraries("attention")[0]) == {"SDPA cuDNN", "SDPA flash", "SDPA efficient"}
+
+
+def test_every_named_peer_has_an_adapter_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spec naming a library peer gets that library's function for it (the imports stubbed)."""
+    import types
+
+    fake = types.SimpleNamespace(ops=types.SimpleNamespace(), fused=types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "flag_gems", fake)
+    lg = types.ModuleType("liger_kernel.transformers.functional")
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", types.ModuleType("liger_kernel.transformers"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", lg)
+    sys.modules["liger_kernel.transformers"].functional = lg  # type: ignore[attr-defined]
+    for spec in kpt.SPECS.values():
+        for peer in spec.peers:
+            label, adapters = peers._LIBRARY_PEERS[peer]
+            assert spec.name in adapters(), f"{spec.name} names {peer} but it has no adapter"
 
 
 def _measurement(kernel: str, case: str, mode: str, **ms: float) -> measure.Measurement:

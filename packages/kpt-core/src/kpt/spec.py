@@ -199,7 +199,7 @@ class KernelSpec:
     """Moves its bytes once (norms, activations, row-wise losses, fp8 scaling): speed is held to a
     fraction of the copy bandwidth."""
     peers: tuple[str, ...] = ()
-    """Libraries that implement the same kernel, compared with it by `kpt.bench` (``"liger"``)."""
+    """Libraries that implement the same kernel, compared with it by `kpt.bench` (``"liger"``, ``"flag_gems"``)."""
     rounding: RoundingAllowance | None = None
     """The rounding of the gradients the contract permits beyond the tolerance, and its bound."""
     kink: Kink | None = None

@@ -3,8 +3,8 @@
 Each peer takes the contract's arguments (checked and in order). `eager_call` is the contract's
 reference math run as plain PyTorch; `libraries` names the library functions present for a
 kernel (SDPA with each of its backends, cuBLAS then the activation, ``torch._scaled_mm``, a loop
-of cuBLAS products and ``torch._grouped_mm``, Liger-Kernel for the kernels whose spec names it
-in `kpt.KernelSpec.peers`).
+of cuBLAS products and ``torch._grouped_mm``, Liger-Kernel and FlagGems for the kernels
+whose spec names them in `kpt.KernelSpec.peers`).
 """
 
 from __future__ import annotations
@@ -114,17 +114,27 @@ def libraries(kernel: str) -> tuple[dict[str, Callable[..., Any]], str]:
     }
     if kernel in native:
         return native[kernel](), ""
-    if "liger" not in SPECS[kernel].peers:  # n/a where Liger is not installed
-        return {}, ""
-    try:
-        from liger_kernel.transformers import functional as lg
-    except ImportError:
-        return {}, "n/a: Liger not installed"
+    found: dict[str, Callable[..., Any]] = {}
+    missing = []
+    for peer in SPECS[kernel].peers:
+        label, adapters = _LIBRARY_PEERS[peer]
+        try:
+            found[label] = adapters()[kernel]
+        except ImportError:
+            missing.append(f"{label} not installed")
+        except Exception as exc:  # a library that fails to load is left out, with why
+            missing.append(f"{label} failed to load ({type(exc).__name__}: {exc})")
+    return found, f"n/a: {', '.join(missing)}" if missing and not found else ""
+
+
+def _liger() -> dict[str, Callable[..., Any]]:
+    """Liger-Kernel's functions, taking the contract's arguments."""
+    from liger_kernel.transformers import functional as lg
 
     def rope(q, k, cos, sin):
         return lg.liger_rope(q, k, cos[None] if cos.dim() == 2 else cos, sin[None] if sin.dim() == 2 else sin)
 
-    liger: dict[str, Callable[..., Any]] = {
+    return {
         "rms_norm": lambda x, weight, eps: lg.liger_rms_norm(x, weight, eps, in_place=False),
         "add_rms_norm": lambda x, residual, weight, eps: lg.liger_fused_add_rms_norm(
             x, residual, weight, eps, in_place=False),
@@ -139,4 +149,35 @@ def libraries(kernel: str) -> tuple[dict[str, Callable[..., Any]], str]:
             lg.liger_fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
                                                 reduction=reduction),
     }
-    return {"Liger": liger[kernel]}, ""
+
+
+def _flag_gems() -> dict[str, Callable[..., Any]]:
+    """FlagGems' functions (its aten kernels, with their backward kernels), taking the contract's arguments."""
+    import flag_gems
+
+    class Softmax(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim):
+            y = flag_gems.ops.softmax(x, dim)
+            ctx.save_for_backward(y)
+            ctx.dim, ctx.dtype = dim, x.dtype
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            (y,) = ctx.saved_tensors
+            return flag_gems.ops.softmax_backward(dy, y, ctx.dim, ctx.dtype), None
+
+    return {
+        "rms_norm": lambda x, weight, eps: flag_gems.ops.rms_norm(x, (x.shape[-1],), weight, eps),
+        "softmax": lambda x, dim: Softmax.apply(x, dim),
+        "swiglu": lambda gate, up: flag_gems.fused.silu_and_mul(gate, up),
+        "cross_entropy": lambda logits, target, ignore_index, label_smoothing, reduction:
+            flag_gems.fused.cross_entropy_loss(logits, target, reduction=reduction, ignore_index=ignore_index,
+                                               label_smoothing=label_smoothing),
+    }
+
+
+_LIBRARY_PEERS: dict[str, tuple[str, Callable[[], dict[str, Callable[..., Any]]]]] = {
+    "liger": ("Liger", _liger), "flag_gems": ("FlagGems", _flag_gems)}
+"""The names a `kpt.KernelSpec.peers` entry may take: the label in reports and the adapters."""

@@ -140,6 +140,14 @@ def _grid(field: str, per_token: int = 1) -> Iterable[tuple[str, int, int]]:
             yield f"{model} T={tokens} {field}={width}", tokens, width
 
 
+PEER_LED: dict[str, tuple[tuple[int, int], ...]] = {
+    "rms_norm": ((32768, 5120), (8192, 8192), (8, 4096)),
+    "softmax": ((8192, 8192), (16384, 8192)),
+}
+"""(tokens, width) beyond the models' own at which a peer once led on an H200 (FlagGems, Liger or
+torch.compile): timed so that they stay measured."""
+
+
 def _moe_models() -> list[tuple[str, int, int, int]]:
     """(name, hidden, experts, top-k): DeepSeek-V3, Qwen3-MoE's 128/top-8 and Mixtral's 8/top-2."""
     return [("deepseek-v3", 7168, 256, 8), ("qwen3-moe", 4096, 128, 8), ("mixtral", 4096, 8, 2)]
@@ -163,8 +171,12 @@ def models_sweep() -> list[Point]:
             point("swiglu", label, _make_gated(), shape=(t, width)),
             point("geglu", label, _make_gated(approximate="tanh"), shape=(t, width)),
         ]
+    for t, h in PEER_LED["rms_norm"]:
+        out.append(point("rms_norm", f"peer-led T={t} hidden={h}", _make_rms_norm, shape=(t, h)))
     for label, t, v in _grid("vocab"):
         out.append(point("softmax", label, _make_softmax, shape=(t, v)))
+    for t, v in PEER_LED["softmax"]:
+        out.append(point("softmax", f"peer-led T={t} width={v}", _make_softmax, shape=(t, v)))
     # the loss: eager holds several float32 copies of the logits
     for label, t, v in _grid("vocab", per_token=2):
         out.append(point("cross_entropy", label, _make_ce, shape=(t, v)))
@@ -209,6 +221,7 @@ def attention_sweep() -> list[Point]:
     for ratio in (4, 8):
         add(f"gqa{ratio}", b=2, hkv=32 // ratio, sq=8192, skv=8192, causal=True)
     add("d64", b=4, sq=4096, skv=4096, d=64, causal=True)
+    add("d64 short", b=16, hq=16, hkv=16, sq=1024, skv=1024, d=64)
     add("d64 fp16", b=4, sq=4096, skv=4096, d=64, causal=True, dtype=torch.float16)
     add("d256", FWD, b=4, hq=16, hkv=8, sq=4096, skv=4096, d=256, causal=True)
     add("d256 fp16", FWD, b=4, hq=16, hkv=8, sq=4096, skv=4096, d=256, causal=True, dtype=torch.float16)
@@ -216,6 +229,7 @@ def attention_sweep() -> list[Point]:
     for sq in (1, 8):
         for skv in (1024, 8192, 32768):
             add("decode", FWD, b=8 if skv < 32768 else 1, hkv=8, sq=sq, skv=skv, causal=True)
+    add("decode one sequence", FWD, b=1, hkv=8, sq=1, skv=4096, causal=True)
     add("decode gqa8", FWD, b=8, hkv=4, sq=16, skv=8192, causal=True)  # speculative, 128 query rows a KV head
     # chunked prefill: a chunk of queries against the cache before it and itself (bottom-right causal)
     add("prefill chunk", FWD, b=1, hkv=8, sq=512, skv=8192, causal=True)
@@ -237,6 +251,8 @@ def linear_sweep() -> list[Point]:
         for t in LINEAR_TOKENS:
             label = f"llama3-8b up {t}×14336×4096 {act or 'no activation'}"
             out.append(point("linear", label, _make_linear, x=(t, 4096), n=14336, activation=act))
+    out.append(point("linear", "peer-led 8192×8192×8192 no activation", _make_linear, x=(8192, 8192), n=8192,
+                     activation=None))
     for t in (4096, 8192):
         out.append(point("linear", f"llama3-70b up {t}×28672×8192 silu", _make_linear, x=(t, 8192), n=28672,
                          activation="silu"))

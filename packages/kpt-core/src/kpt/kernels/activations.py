@@ -154,43 +154,43 @@ def _out(t: Tensor, like: Tensor) -> Tensor:
 # Reference forward and backward of each kernel.
 
 
-def gelu_forward(x: Tensor, approximate: str) -> tuple[Tensor]:
+def gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     return (_out(_gelu(_up(x), approximate), x),)
 
 
-def gelu_backward(x: Tensor, approximate: str, y: Tensor, dy: Tensor) -> tuple[Tensor]:
+def gelu_bwd(x: Tensor, approximate: str, y: Tensor, dy: Tensor) -> tuple[Tensor]:
     """Returns ``(dx,)``."""
     return (_out(_up(dy) * _gelu_grad(_up(x), approximate), x),)
 
 
-def silu_forward(x: Tensor) -> tuple[Tensor]:
+def silu_fwd(x: Tensor) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     return (_out(_silu(_up(x)), x),)
 
 
-def silu_backward(x: Tensor, y: Tensor, dy: Tensor) -> tuple[Tensor]:
+def silu_bwd(x: Tensor, y: Tensor, dy: Tensor) -> tuple[Tensor]:
     """Returns ``(dx,)``."""
     return (_out(_up(dy) * _silu_grad(_up(x)), x),)
 
 
-def swiglu_forward(gate: Tensor, up: Tensor) -> tuple[Tensor]:
+def swiglu_fwd(gate: Tensor, up: Tensor) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     return (_out(_silu(_up(gate)) * _up(up), gate),)
 
 
-def swiglu_backward(gate: Tensor, up: Tensor, y: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+def swiglu_bwd(gate: Tensor, up: Tensor, y: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     """Returns ``(dgate, dup)``."""
     g, d = _up(gate), _up(dy)
     return _out(d * _up(up) * _silu_grad(g), gate), _out(d * _silu(g), up)
 
 
-def geglu_forward(gate: Tensor, up: Tensor, approximate: str) -> tuple[Tensor]:
+def geglu_fwd(gate: Tensor, up: Tensor, approximate: str) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     return (_out(_gelu(_up(gate), approximate) * _up(up), gate),)
 
 
-def geglu_backward(
+def geglu_bwd(
     gate: Tensor, up: Tensor, approximate: str, y: Tensor, dy: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(dgate, dup)``."""
@@ -297,8 +297,8 @@ GELU = KernelSpec(
     name="gelu",
     signature=gelu,
     validate=validate_gelu,
-    forward=gelu_forward,
-    backward=gelu_backward,
+    forward=gelu_fwd,
+    backward=gelu_bwd,
     outputs=("y",),
     differentiable=("x",),
     # tanh form: x³ (2), multiply-add (2), scale, tanh, add, two multiplies
@@ -314,8 +314,8 @@ SILU = KernelSpec(
     name="silu",
     signature=silu,
     validate=validate_silu,
-    forward=silu_forward,
-    backward=silu_backward,
+    forward=silu_fwd,
+    backward=silu_bwd,
     outputs=("y",),
     differentiable=("x",),
     # exp, add, divide, multiply
@@ -330,8 +330,8 @@ SWIGLU = KernelSpec(
     name="swiglu",
     signature=swiglu,
     validate=validate_swiglu,
-    forward=swiglu_forward,
-    backward=swiglu_backward,
+    forward=swiglu_fwd,
+    backward=swiglu_bwd,
     outputs=("y",),
     differentiable=("gate", "up"),
     flops=_per_element(5.0, "gate"),
@@ -339,15 +339,15 @@ SWIGLU = KernelSpec(
     bad_inputs=_bad_inputs("swiglu"),
     sharding=_elementwise(("gate", "up")),
     memory_bound=True,
-    peers=("liger",),
+    peers=("liger", "flag_gems"),
 )
 
 GEGLU = KernelSpec(
     name="geglu",
     signature=geglu,
     validate=validate_geglu,
-    forward=geglu_forward,
-    backward=geglu_backward,
+    forward=geglu_fwd,
+    backward=geglu_bwd,
     outputs=("y",),
     differentiable=("gate", "up"),
     flops=_per_element(10.0, "gate"),

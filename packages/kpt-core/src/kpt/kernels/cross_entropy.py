@@ -193,7 +193,7 @@ def _unit_grads(target: Tensor, ignore_index: int, reduction: str, ct: torch.dty
     return row_grads(one, target, ignore_index, reduction, ct)
 
 
-def cross_entropy_forward(
+def cross_entropy_fwd(
     logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, needs_grad: bool
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(loss, dlogits)``: with ``needs_grad``, ``dlogits`` is the gradient for an upstream
@@ -209,7 +209,7 @@ def cross_entropy_forward(
     return loss, dlogits(z, target, lse, label_smoothing, row_grad, target != ignore_index).to(logits.dtype)
 
 
-def cross_entropy_backward(
+def cross_entropy_bwd(
     logits: Optional[Tensor], target: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
     needs_grad: bool, loss: Tensor, dlogits: Tensor, dloss: Optional[Tensor],
 ) -> tuple[Tensor]:
@@ -264,7 +264,7 @@ def _grads_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dh: Tenso
     return dh.to(hidden.dtype), dw.to(weight.dtype), dbias
 
 
-def linear_cross_entropy_forward(
+def linear_cross_entropy_fwd(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     needs_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -283,7 +283,7 @@ def linear_cross_entropy_forward(
     return (loss, *(_grads_out(hidden, weight, bias, *grads) if grads is not None else empty), lse)
 
 
-def linear_cross_entropy_backward(
+def linear_cross_entropy_bwd(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     needs_grad: bool, loss: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor, lse: Tensor,
     dloss: Optional[Tensor],
@@ -536,8 +536,8 @@ CROSS_ENTROPY = KernelSpec(
     name="cross_entropy",
     signature=cross_entropy,
     validate=validate_cross_entropy,
-    forward=cross_entropy_forward,
-    backward=cross_entropy_backward,
+    forward=cross_entropy_fwd,
+    backward=cross_entropy_bwd,
     outputs=("loss",),
     saved=("dlogits",),
     differentiable=("logits",),
@@ -551,15 +551,15 @@ CROSS_ENTROPY = KernelSpec(
     bad_indices=_bad_indices_ce,
     sharding=_cross_entropy_sharding,
     memory_bound=True,
-    peers=("liger",),
+    peers=("liger", "flag_gems"),
 )
 
 LINEAR_CROSS_ENTROPY = KernelSpec(
     name="linear_cross_entropy",
     signature=linear_cross_entropy,
     validate=validate_linear_cross_entropy,
-    forward=linear_cross_entropy_forward,
-    backward=linear_cross_entropy_backward,
+    forward=linear_cross_entropy_fwd,
+    backward=linear_cross_entropy_bwd,
     outputs=("loss",),
     saved=("dhidden", "dweight", "dbias", "lse"),
     differentiable=("hidden", "weight", "bias"),

@@ -99,12 +99,12 @@ def _normalize_backward(
     return dx, dweight
 
 
-def rms_norm_forward(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_fwd(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """Returns ``(y, rstd)``; ``rstd`` is ``[rows]`` in float32 (float64 for float64 input)."""
     return _normalize(x, weight, eps)
 
 
-def rms_norm_backward(
+def rms_norm_bwd(
     x: Tensor, weight: Optional[Tensor], eps: float, y: Tensor, rstd: Tensor, dy: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(dx, dweight)``; ``dweight`` is empty when ``weight`` is None."""
@@ -112,7 +112,7 @@ def rms_norm_backward(
     return dx.to(x.dtype).reshape(x.shape).contiguous(), dweight
 
 
-def add_rms_norm_forward(
+def add_rms_norm_fwd(
     x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(y, h, rstd)``."""
@@ -122,7 +122,7 @@ def add_rms_norm_forward(
     return y, h, rstd
 
 
-def add_rms_norm_backward(
+def add_rms_norm_bwd(
     x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
     y: Tensor, h: Tensor, rstd: Tensor, dy: Optional[Tensor], dh: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
@@ -227,8 +227,8 @@ def add_rms_norm_rounded_h(args: Args, upstream: Args, dtype: torch.dtype) -> di
     exact = x + residual
 
     def grads(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, rstd = rms_norm_forward(h, weight, eps)
-        return rms_norm_backward(h, weight, eps, y, rstd, dy)
+        y, rstd = rms_norm_fwd(h, weight, eps)
+        return rms_norm_bwd(h, weight, eps, y, rstd, dy)
 
     dx, dw = grads(exact)
     (dx_below, dw_below), (dx_above, dw_above) = (grads(h) for h in neighbors(exact, dtype))
@@ -242,8 +242,8 @@ RMS_NORM = KernelSpec(
     name="rms_norm",
     signature=rms_norm,
     validate=validate_rms_norm,
-    forward=rms_norm_forward,
-    backward=rms_norm_backward,
+    forward=rms_norm_fwd,
+    backward=rms_norm_bwd,
     outputs=("y",),
     saved=("rstd",),
     differentiable=("x", "weight"),
@@ -252,15 +252,15 @@ RMS_NORM = KernelSpec(
     bad_inputs=_bad_inputs("rms_norm"),
     sharding=leading_dims(("y",), ("x",), ("rstd",)),
     memory_bound=True,
-    peers=("liger",),
+    peers=("liger", "flag_gems"),
 )
 
 ADD_RMS_NORM = KernelSpec(
     name="add_rms_norm",
     signature=add_rms_norm,
     validate=validate_add_rms_norm,
-    forward=add_rms_norm_forward,
-    backward=add_rms_norm_backward,
+    forward=add_rms_norm_fwd,
+    backward=add_rms_norm_bwd,
     outputs=("y", "h"),
     saved=("rstd",),
     differentiable=("x", "residual", "weight"),

@@ -48,7 +48,7 @@ def validate_softmax(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return {"x": x, "dim": dim % x.dim()}
 
 
-def softmax_forward(x: Tensor, dim: int) -> tuple[Tensor]:
+def softmax_fwd(x: Tensor, dim: int) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     if x.shape[dim] == 0:
         # the maximum of an empty dimension is undefined; the result is empty anyway
@@ -58,7 +58,7 @@ def softmax_forward(x: Tensor, dim: int) -> tuple[Tensor]:
     return ((e / e.sum(dim, keepdim=True)).to(x.dtype).contiguous(),)
 
 
-def softmax_backward(x: Tensor, dim: int, y: Tensor, dy: Tensor) -> tuple[Tensor]:
+def softmax_bwd(x: Tensor, dim: int, y: Tensor, dy: Tensor) -> tuple[Tensor]:
     """Returns ``(dx,)``, from the saved output ``y``."""
     ct = compute_dtype(x.dtype)
     yc, dyc = y.to(ct), dy.to(ct)
@@ -158,8 +158,8 @@ SOFTMAX = KernelSpec(
     name="softmax",
     signature=softmax,
     validate=validate_softmax,
-    forward=softmax_forward,
-    backward=softmax_backward,
+    forward=softmax_fwd,
+    backward=softmax_bwd,
     outputs=("y",),
     differentiable=("x",),
     flops=_flops,
@@ -168,7 +168,7 @@ SOFTMAX = KernelSpec(
     sharding=_sharding,
     memory_bound=True,
     rounding=softmax_rounded_y,
-    peers=("liger",),
+    peers=("liger", "flag_gems"),
 )
 
 SPECS = (SOFTMAX,)
