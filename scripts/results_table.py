@@ -128,20 +128,36 @@ def device_page(device: str, data: dict) -> str:
                 f"{result['wall_s']:.0f} s.",
                 "",
             ]
+            ceilings = result.get("ceilings") or {}
+            if ceilings:
+                out += [
+                    f"Ceilings measured in that run: copy {ceilings['copy_gbps']:.0f} GB/s, matmul "
+                    f"{ceilings['matmul_tflops']:.0f} TFLOP/s. Of ceiling: the kernel's bytes or FLOPs a second "
+                    "over the one of them that bounds it. Spread: (slowest − fastest) / median of the rounds.",
+                    "",
+                ]
             out += [
-                "| kernel | case | dtype | mode | kpt ms | best peer ms (which) | × best |",
-                "|---|---|---|---|---|---|---|",
+                "| kernel | case | dtype | mode | kpt ms | best peer ms (which) | × best | spread kpt / peer "
+                "| GB/s | TFLOP/s | of ceiling |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for row in result["results"]:
                 ms = row.get("ms") or {}
-                peers = {k: v for k, v in ms.items() if k != "backend" and v}
+                peers = {k: v for k, v in ms.items() if k not in ("backend", "library") and v}
                 peers |= {k: v for k, v in (row.get("libraries") or {}).items() if v}
+                if not peers and ms.get("library"):
+                    peers["library"] = ms["library"]
                 if not ms.get("backend") or not peers:
                     continue
                 best = min(peers, key=peers.__getitem__)
+                spread = row.get("spread") or {}
+                spreads = " / ".join(f"{spread[k]:.0%}" if k in spread else "–" for k in ("backend", best))
+                fraction = row.get("ceiling_fraction")
+                roof = f"{fraction:.0%} ({row.get('bound', '')})" if fraction is not None else "–"
                 out.append(
                     f"| {row['kernel']} | {row['case']} | {row['dtype']} | {row['mode']} | {ms['backend']:.4g} | "
-                    f"{peers[best]:.4g} ({best}) | {peers[best] / ms['backend']:.2f} |"
+                    f"{peers[best]:.4g} ({best}) | {peers[best] / ms['backend']:.2f} | {spreads} "
+                    f"| {row.get('gbps', 0):.0f} | {row.get('tflops', 0):.1f} | {roof} |"
                 )
         elif run["kind"] == "train":
             out += [f"`{run['command']}`", "", *train_table(run)]
