@@ -7,7 +7,7 @@ body fails them. The reference backend needs no body (it runs the spec's referen
 finds ``toy.py`` by the family's name, as every backend package does.
 
 The runs go in one fresh process (`DRIVER`): the suite parametrizes over ``kpt.SPECS`` when it is
-collected, and the kernels a backend registers are those of ``kpt.SPECS`` when it is first bound.
+collected, and a backend's ops are those of ``kpt.SPECS`` when it first registers them.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def validate_toy_scale(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return a
 
 
-def toy_scale_forward(x: Tensor, alpha: float) -> tuple[Tensor]:
+def toy_scale_fwd(x: Tensor, alpha: float) -> tuple[Tensor]:
     return ((x.to(compute_dtype(x.dtype)) * alpha + 1).to(x.dtype),)
 
 
-def toy_scale_backward(x: Tensor, alpha: float, y: Tensor, dy: Tensor | None) -> tuple[Tensor]:
+def toy_scale_bwd(x: Tensor, alpha: float, y: Tensor, dy: Tensor | None) -> tuple[Tensor]:
     if dy is None:
         return (torch.zeros_like(x),)
     return ((dy.to(compute_dtype(x.dtype)) * alpha).to(x.dtype),)
@@ -65,8 +65,8 @@ TOY_SCALE = KernelSpec(
     name="toy_scale",
     signature=toy_scale,
     validate=validate_toy_scale,
-    forward=toy_scale_forward,
-    backward=toy_scale_backward,
+    forward=toy_scale_fwd,
+    backward=toy_scale_bwd,
     outputs=("y",),
     differentiable=("x",),
     flops=lambda a: 2.0 * a["x"].numel(),

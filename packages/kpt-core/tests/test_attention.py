@@ -197,12 +197,12 @@ def test_large_problems_are_computed_in_chunks_with_the_same_result(monkeypatch,
 
     q, k, v = _qkv(3, 8, 4, 33, 41, 16)
     do = torch.randn_like(q)
-    whole = attention.attention_forward(q, k, v, causal, 0.25, None)
-    grads = attention.attention_backward(q, k, v, causal, 0.25, None, whole[0], whole[1], do)
+    whole = attention.attention_fwd(q, k, v, causal, 0.25, None)
+    grads = attention.attention_bwd(q, k, v, causal, 0.25, None, whole[0], whole[1], do)
     # two query heads (one key/value head) per chunk: 12 chunks
     monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 2 * 33 * 41)
-    chunked = attention.attention_forward(q, k, v, causal, 0.25, None)
-    chunked_grads = attention.attention_backward(q, k, v, causal, 0.25, None, chunked[0], chunked[1], do)
+    chunked = attention.attention_fwd(q, k, v, causal, 0.25, None)
+    chunked_grads = attention.attention_bwd(q, k, v, causal, 0.25, None, chunked[0], chunked[1], do)
     for got, want in zip(chunked + chunked_grads, whole + grads, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

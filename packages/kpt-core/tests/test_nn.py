@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kpt
-from kpt.kernels.rope import rope_forward
+from kpt.kernels.rope import rope_fwd
 
 TOL = kpt.default_tolerance(torch.float32)
 
@@ -126,7 +126,7 @@ def test_rotary_tables_and_rotation() -> None:
     angles = positions[:, None] * 500.0 ** (-2 * i / 16)
     close(cos, torch.cat((angles, angles), -1).cos())
     q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
-    for got, want in zip(rotary(q, k, positions), rope_forward(q, k, cos, sin)):
+    for got, want in zip(rotary(q, k, positions), rope_fwd(q, k, cos, sin)):
         close(got, want)
     assert "inv_freq" not in rotary.state_dict()
 
@@ -137,7 +137,7 @@ def reference_attention(attn: kpt.nn.Attention, x: torch.Tensor) -> torch.Tensor
     k = attn.k_proj(x).view(b, s, -1, attn.head_dim).transpose(1, 2)
     v = attn.v_proj(x).view(b, s, -1, attn.head_dim).transpose(1, 2)
     cos, sin = attn.rotary.cos_sin(torch.arange(s), x.dtype)
-    q, k = rope_forward(q, k, cos, sin)
+    q, k = rope_fwd(q, k, cos, sin)
     groups = attn.num_heads // attn.num_kv_heads
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                          is_causal=True)

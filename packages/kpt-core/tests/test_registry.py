@@ -123,12 +123,12 @@ def test_plugin_backend_runs_kernels_in_its_own_namespace(registry: kpt.Registry
     assert hasattr(torch.ops.kpt_fixture_fast, "rms_norm")
 
 
-def test_incomplete_backend_is_refused_at_bind_and_runs_only_what_it_has() -> None:
+def test_incomplete_backend_is_refused_at_register_ops_and_runs_only_what_it_has() -> None:
     from kpt_fixture_plugins.backends import Incomplete
 
     be = Incomplete()
     with pytest.raises(kpt.BackendError, match=r"missing kernels: rms_norm \(forward, backward\)"):
-        be.bind()
+        be.register_ops()
     with pytest.raises(kpt.BackendError, match=r"missing kernel 'rms_norm' \(forward\)"):
         be.rms_norm(torch.randn(2, 2))
     x = torch.randn(2, 3)
@@ -157,6 +157,13 @@ def test_kernels_from_collects_fwd_and_bwd_last_module_wins() -> None:
     second = _module("second", silu_fwd=round)
     found = kpt.kernels_from(first, second)
     assert found == {"silu": kpt.Kernel(round, None), "gelu": kpt.Kernel(min, None)}
+
+
+def test_the_reference_bodies_are_named_as_every_backend_names_its_bodies() -> None:
+    """The spec's reference math is its family module's ``<kernel>_fwd`` / ``<kernel>_bwd``: what
+    `kpt.kernels_from` collects from a backend's modules."""
+    found = kpt.kernels_from(*kpt.kernels.FAMILIES)
+    assert found == {name: kpt.Kernel(spec.forward, spec.backward) for name, spec in kpt.SPECS.items()}
 
 
 @pytest.mark.parametrize("functions, message", [

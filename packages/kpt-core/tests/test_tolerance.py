@@ -304,12 +304,12 @@ def test_add_rms_norm_may_round_h_to_either_neighbour() -> None:
     # rows of one element: dx = eps · rstd³ · w · dy + dh, where the two terms nearly cancel the
     # rounding of h = x + residual to bfloat16 (to nearest, as GPUs do, or towards zero, as
     # Triton's interpreter does) moves dx beyond the table
-    from kpt.kernels.rms_norm import add_rms_norm_rounded_h, rms_norm_backward, rms_norm_forward
+    from kpt.kernels.rms_norm import add_rms_norm_rounded_h, rms_norm_bwd, rms_norm_fwd
 
     tol = kpt.tolerance.default_tolerance(torch.bfloat16)
 
     def dx(h: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-        return rms_norm_backward(h, w, 1.0, *rms_norm_forward(h, w, 1.0), dy)[0] + dh
+        return rms_norm_bwd(h, w, 1.0, *rms_norm_fwd(h, w, 1.0), dy)[0] + dh
 
     beyond_the_table = 0
     for seed in range(40):

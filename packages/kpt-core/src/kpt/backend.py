@@ -147,23 +147,25 @@ class Backend(KernelMethods):
 
     # -- calls -----------------------------------------------------------------------------
 
-    def bind(self) -> dict[str, Any]:
-        """Register this backend's custom ops (once); `kpt.get_backend` does it before returning,
-        so that a call inside ``torch.compile`` only traces the op. A backend that lacks kernels
-        is refused here (`BackendError`)."""
-        if self._bound.missing:
-            raise BackendError(f"backend {self.name!r} is missing kernels: {describe_missing(self._bound.missing)}")
-        return self._bound.ops
+    def register_ops(self) -> dict[str, Any]:
+        """Register this backend's custom ops with ``torch.library`` (once) and return them by
+        kernel name; `kpt.get_backend` does it before returning, so that a call inside
+        ``torch.compile`` only traces the op. A backend that lacks kernels is refused here
+        (`BackendError`)."""
+        registration = self._registration
+        if registration.missing:
+            raise BackendError(f"backend {self.name!r} is missing kernels: {describe_missing(registration.missing)}")
+        return registration.ops
 
     @functools.cached_property
-    def _bound(self) -> _Bound:
+    def _registration(self) -> _Registration:
         # an incomplete backend still runs the kernels it has (the conformance suite checks a
         # backend kernel by kernel); each missing body raises BackendError when called
         check_name(self.name)
         given = self.kernels()
         missing = missing_kernels(given)
         kernels = _guarded(self.name, _with_missing_bodies(self.name, given, missing))
-        return _Bound(kernels, register_all(self.op_namespace, kernels), eager_functions(kernels), missing)
+        return _Registration(kernels, register_all(self.op_namespace, kernels), eager_functions(kernels), missing)
 
     def call(self, kernel: str, *args: Any, **kwargs: Any) -> Any:
         """Validate a call of ``kernel`` against its spec and run it on this backend."""
@@ -178,7 +180,7 @@ class Backend(KernelMethods):
         grad_enabled = torch.is_grad_enabled()
         needs_grad = grad_enabled and _needs_grad(spec, bound)
         values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
-        bound_kernels = self._bound
+        registration = self._registration
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
         if not traced and (dtensors := _distributed(self, values, tensors)) is not None:
@@ -189,15 +191,15 @@ class Backend(KernelMethods):
             # one op for the compiler to trace (or to run its fake implementation on meta tensors)
             if not spec.differentiable:
                 values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
-            out = bound_kernels.ops[kernel](*values)
+            out = registration.ops[kernel](*values)
         elif needs_grad:
-            out = bound_kernels.functions[kernel](*values)
+            out = registration.functions[kernel](*values)
         elif grad_enabled and any(t.requires_grad for t in tensors):
             # inputs outside ``spec.differentiable`` that require grad: the result carries no graph
             with torch.no_grad():
-                out = bound_kernels.kernels[kernel].forward(*values)
+                out = registration.kernels[kernel].forward(*values)
         else:
-            out = bound_kernels.kernels[kernel].forward(*values)
+            out = registration.kernels[kernel].forward(*values)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
 
@@ -269,9 +271,9 @@ def unknown_kernel(name: str) -> str:
     return f"unknown kpt kernel {name!r}{hint}; the kernels: {', '.join(SPECS)}"
 
 
-class _Bound(NamedTuple):
-    """A backend's kernel bodies, their custom ops, their eager autograd functions, and what the
-    backend lacks (its bodies here raise)."""
+class _Registration(NamedTuple):
+    """What registering a backend's ops made (`Backend.register_ops`): its kernel bodies, their
+    custom ops, their eager autograd functions, and what the backend lacks (its bodies here raise)."""
 
     kernels: Mapping[str, Kernel]
     ops: dict[str, Any]

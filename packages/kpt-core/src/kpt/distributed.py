@@ -28,8 +28,8 @@ The backward of ``rope`` and ``cross_entropy`` on DTensors needs torch 2.13: the
 do not take a tensor first (q and the logits are not kept), and torch 2.11's DTensor looks for the
 device mesh in the first argument only ("Cannot find device mesh from args").
 
-Rules are registered when this module is imported (for every backend bound so far, and for
-every backend bound later), and by `Backend.call` the first time it meets a DTensor, so
+Rules are registered when this module is imported (for every backend whose ops are registered so
+far, and for every one registered later), and by `Backend.call` the first time it meets a DTensor, so
 ``backend.rms_norm(dtensor)`` needs no set-up.
 
 **Vocabulary-parallel cross-entropy.** `cross_entropy` takes logits sharded over the vocabulary
@@ -188,7 +188,7 @@ def register_rules(namespace: str) -> None:
     _REGISTERED.add(namespace)
 
 
-for _namespace in list(_OPS):  # the backends bound before this import; `kpt.ops` registers later ones
+for _namespace in list(_OPS):  # the op namespaces registered before this import; `kpt.ops` registers later ones
     register_rules(_namespace)
 
 

@@ -301,7 +301,7 @@ class Registry:
             name, source = os.environ["KPT_BACKEND"], " (named by the KPT_BACKEND environment variable)"
         if name is None:
             usable = [i for i in self.list() if i.available and not i.simulator and i.name in self.backends]
-            return self._bound(self.backends[usable[0].name] if usable else self.backends["reference"])
+            return self._ready(self.backends[usable[0].name] if usable else self.backends["reference"])
         if name not in self.infos:  # once known, final: a name's plugins load shortest first
             self._load(name)
         if name not in self.infos:
@@ -314,7 +314,7 @@ class Registry:
                                + (f" ({info.error})" if info.error else ""))
         if not info.available:
             raise BackendError(f"kpt backend {name!r}{source} is not available here: {info.reason}")
-        return self._bound(self.backends[name])
+        return self._ready(self.backends[name])
 
     def for_device(self, device: torch.device) -> Backend:
         """The highest-priority usable backend (simulators excluded) whose tensors live on
@@ -325,17 +325,19 @@ class Registry:
         for i in self.list():
             backend = self.backends.get(i.name)
             if backend is not None and i.available and not i.simulator and backend.device().type == device.type:
-                self._by_device[device.type] = self._bound(backend)
+                self._by_device[device.type] = self._ready(backend)
                 return backend
         if device.type == "cpu":
-            self._by_device["cpu"] = self._bound(self.backends["reference"])
+            self._by_device["cpu"] = self._ready(self.backends["reference"])
             return self._by_device["cpu"]
         raise BackendError(f"no usable kpt backend for {device.type} tensors; installed: "
                            f"{', '.join(sorted(self.infos))} (kpt info says why each can or cannot run here)")
 
     @staticmethod
-    def _bound(backend: Backend) -> Backend:
-        backend.bind()
+    def _ready(backend: Backend) -> Backend:
+        """``backend``, its custom ops registered (`Backend.register_ops`): ready to run, and to
+        be traced by ``torch.compile``."""
+        backend.register_ops()
         return backend
 
 
@@ -481,7 +483,7 @@ def use_backend(backend: str | Backend) -> Iterator[Backend]:
     if isinstance(backend, str):
         backend = registry().get(backend)
     else:
-        backend.bind()
+        backend.register_ops()
     token = _pinned.set(backend)
     try:
         yield backend

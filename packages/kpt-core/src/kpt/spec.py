@@ -6,12 +6,14 @@ under ``kpt/kernels/``. A spec holds everything core knows about a kernel:
 * ``signature``: the public Python function (its signature and docstring are what users see
   as ``backend.<kernel>``; its body is never called);
 * ``validate``: the input checks, raising `KernelInputError`, returning the arguments in order;
-* ``forward`` / ``backward``: the reference math, pure PyTorch, exact in float64. They are also
-  the *kernel-body contract*: a backend's ``<kernel>_fwd`` takes the same arguments and returns
-  the same tuple (public ``outputs`` then ``saved`` tensors); its ``<kernel>_bwd`` takes the
-  forward arguments, every forward output (public and saved) and one gradient per public
-  output (``None`` where autograd has none), and returns one gradient per ``differentiable``
-  input (an empty tensor where that input was ``None``);
+* ``forward`` / ``backward``: the reference math, pure PyTorch, exact in float64, named
+  ``<kernel>_fwd`` / ``<kernel>_bwd`` in the family's module as every backend names its bodies
+  (`kpt.kernels_from` finds them). They are also the *kernel-body contract*: a backend's
+  ``<kernel>_fwd`` takes the same arguments and returns the same tuple (public ``outputs`` then
+  ``saved`` tensors); its ``<kernel>_bwd`` takes the forward arguments, every forward output
+  (public and saved) and one gradient per public output (``None`` where autograd has none), and
+  returns one gradient per ``differentiable`` input (an empty tensor where that input was
+  ``None``);
 * ``flops`` and `KernelSpec.min_bytes`: the cost model used by benchmarks (each input read
   once, each output written once);
 * ``cases`` / ``bad_inputs``: what the conformance suite runs;

@@ -158,7 +158,7 @@ def by_chunks(fn: Callable[..., tuple[Tensor, ...]], q: Tensor, k: Tensor, *per_
     return tuple(torch.cat(outs, dim=0) for outs in zip(*rows))
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
                       mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Returns ``(o, lse)``; ``lse`` is ``[B, Hq, Sq]`` in float32 (float64 for float64 input)."""
 
@@ -177,7 +177,7 @@ def _present(*tensors: Optional[Tensor]) -> tuple[Tensor, ...]:
     return tuple(t for t in tensors if t is not None)
 
 
-def attention_backward(
+def attention_bwd(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Optional[Tensor], o: Tensor, lse: Tensor,
     do: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -478,8 +478,8 @@ ATTENTION = KernelSpec(
     name="attention",
     signature=attention,
     validate=validate_attention,
-    forward=attention_forward,
-    backward=attention_backward,
+    forward=attention_fwd,
+    backward=attention_bwd,
     outputs=("o",),
     saved=("lse",),
     differentiable=("q", "k", "v"),

@@ -165,7 +165,7 @@ def _compute(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def quantize_fp8_forward(x: Tensor, granularity: str, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def quantize_fp8_fwd(x: Tensor, granularity: str, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Returns ``(xq, scale)``."""
     # contiguous: elementwise results keep a transposed input's layout, outputs must not
     xc = x.to(compute_dtype(x.dtype)).contiguous()
@@ -176,13 +176,13 @@ def quantize_fp8_forward(x: Tensor, granularity: str, fp8_dtype: torch.dtype) ->
     return _saturate(xc / scale, fp8_dtype), scale
 
 
-def dequantize_fp8_forward(xq: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor]:
+def dequantize_fp8_fwd(xq: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     ct = _compute(scale.dtype, dtype)
     return ((xq.to(ct).contiguous() * scale.to(ct)).to(dtype),)
 
 
-def fp8_linear_forward(
+def fp8_linear_fwd(
     xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype
 ) -> tuple[Tensor]:
     """Returns ``(y,)``."""
@@ -401,7 +401,7 @@ QUANTIZE_FP8 = KernelSpec(
     name="quantize_fp8",
     signature=quantize_fp8,
     validate=validate_quantize_fp8,
-    forward=quantize_fp8_forward,
+    forward=quantize_fp8_fwd,
     outputs=("xq", "scale"),
     flops=_quantize_flops,
     cases=_quantize_cases,
@@ -414,7 +414,7 @@ DEQUANTIZE_FP8 = KernelSpec(
     name="dequantize_fp8",
     signature=dequantize_fp8,
     validate=validate_dequantize_fp8,
-    forward=dequantize_fp8_forward,
+    forward=dequantize_fp8_fwd,
     outputs=("y",),
     flops=_dequantize_flops,
     cases=_dequantize_cases,
@@ -427,7 +427,7 @@ FP8_LINEAR = KernelSpec(
     name="fp8_linear",
     signature=fp8_linear,
     validate=validate_fp8_linear,
-    forward=fp8_linear_forward,
+    forward=fp8_linear_fwd,
     outputs=("y",),
     flops=_fp8_linear_flops,
     cases=_fp8_linear_cases,

@@ -59,7 +59,7 @@ def _row_mean(t: Tensor) -> Tensor:
     return t.sum(-1) / max(t.shape[-1], 1)
 
 
-def layer_norm_forward(
+def layer_norm_fwd(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(y, mean, rstd)``; ``mean`` and ``rstd`` are ``[rows]`` in float32 (float64 for
@@ -79,7 +79,7 @@ def layer_norm_forward(
     return y.to(x.dtype).reshape(x.shape).contiguous(), mean, rstd
 
 
-def layer_norm_backward(
+def layer_norm_bwd(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
     y: Tensor, mean: Tensor, rstd: Tensor, dy: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -156,8 +156,8 @@ LAYER_NORM = KernelSpec(
     name="layer_norm",
     signature=layer_norm,
     validate=validate_layer_norm,
-    forward=layer_norm_forward,
-    backward=layer_norm_backward,
+    forward=layer_norm_fwd,
+    backward=layer_norm_bwd,
     outputs=("y",),
     saved=("mean", "rstd"),
     differentiable=("x", "weight", "bias"),

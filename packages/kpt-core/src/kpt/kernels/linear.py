@@ -90,7 +90,7 @@ def validate_linear(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
     return a
 
 
-def linear_forward(
+def linear_fwd(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str]
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(y, pre)``: ``pre`` (x's dtype, y's shape) is empty when ``activation`` is None."""
@@ -105,7 +105,7 @@ def linear_forward(
     return act(pre).to(x.dtype).reshape(shape), pre.to(x.dtype).reshape(shape)
 
 
-def linear_backward(
+def linear_bwd(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str],
     y: Tensor, pre: Tensor, dy: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -259,7 +259,7 @@ def linear_relu_kernel_side(args: Args, upstream: Args, outputs: Args, dtype: to
     kernel_side = rows(outputs["y"]).detach().to(pre.device, torch.float64) > 0
     dpre = dy * torch.where(near, kernel_side, ~(pre <= 0))  # relu'(NaN) = 1, as the reference's
     # the reference's backward from that dpre (no activation left to apply)
-    dx, dweight, dbias = linear_backward(args["x"].detach().to(torch.float64), w,
+    dx, dweight, dbias = linear_bwd(args["x"].detach().to(torch.float64), w,
                                          None if bias is None else bias.detach().to(torch.float64),
                                          None, pre, pre, dpre)
     grads = {"x": dx, "weight": dweight}
@@ -283,8 +283,8 @@ LINEAR = KernelSpec(
     name="linear",
     signature=linear,
     validate=validate_linear,
-    forward=linear_forward,
-    backward=linear_backward,
+    forward=linear_fwd,
+    backward=linear_bwd,
     outputs=("y",),
     saved=("pre",),
     differentiable=("x", "weight", "bias"),

@@ -215,7 +215,7 @@ def check_moe_combine_indices(a: Args) -> None:
 # Reference math.
 
 
-def moe_gating_forward(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+def moe_gating_fwd(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """Returns ``(weights, indices)``."""
     # contiguous: sort and elementwise results keep a transposed input's layout, outputs must not
     lg = logits.to(compute_dtype(logits.dtype)).contiguous()
@@ -226,7 +226,7 @@ def moe_gating_forward(logits: Tensor, k: int, renormalize: bool) -> tuple[Tenso
     return weights, idx.to(torch.int32)
 
 
-def moe_gating_backward(
+def moe_gating_bwd(
     logits: Tensor, k: int, renormalize: bool, weights: Tensor, indices: Tensor,
     dweights: Optional[Tensor], dindices: Optional[Tensor],
 ) -> tuple[Tensor]:
@@ -252,7 +252,7 @@ def _token_of_pair(tokens: int, k: int, device: torch.device) -> Tensor:
     return torch.arange(tokens, device=device)[:, None].expand(tokens, k).reshape(-1)
 
 
-def moe_dispatch_forward(x: Tensor, indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def moe_dispatch_fwd(x: Tensor, indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(x_sorted, offsets, order)``; a pair routed outside ``[0, E)`` sorts as expert E."""
     flat = indices.reshape(-1)
     routed = (flat >= 0) & (flat < num_experts)
@@ -263,7 +263,7 @@ def moe_dispatch_forward(x: Tensor, indices: Tensor, num_experts: int) -> tuple[
     return x.index_select(0, token), offsets, order.to(torch.int32)
 
 
-def moe_dispatch_backward(
+def moe_dispatch_bwd(
     x: Tensor, indices: Tensor, num_experts: int, x_sorted: Tensor, offsets: Tensor, order: Tensor,
     dx_sorted: Optional[Tensor], doffsets: Optional[Tensor], dorder: Optional[Tensor],
 ) -> tuple[Tensor]:
@@ -289,7 +289,7 @@ def _expert_rows(bounds: Tensor, rows: int, expert: int) -> Tensor:
     return (r >= bounds[expert]) & (r < bounds[expert + 1])
 
 
-def grouped_linear_forward(x_sorted: Tensor, offsets: Tensor, weight: Tensor) -> tuple[Tensor]:
+def grouped_linear_fwd(x_sorted: Tensor, offsets: Tensor, weight: Tensor) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     ct = compute_dtype(x_sorted.dtype)
     x, w = x_sorted.to(ct), weight.to(ct)
@@ -300,7 +300,7 @@ def grouped_linear_forward(x_sorted: Tensor, offsets: Tensor, weight: Tensor) ->
     return (y.to(x_sorted.dtype),)
 
 
-def grouped_linear_backward(x_sorted: Tensor, offsets: Tensor, weight: Tensor, y: Tensor,
+def grouped_linear_bwd(x_sorted: Tensor, offsets: Tensor, weight: Tensor, y: Tensor,
                             dy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Returns ``(dx_sorted, dweight)``."""
     if dy is None:
@@ -338,7 +338,7 @@ def _unsort(rows: Tensor, inverse: Tensor) -> Tensor:
     return torch.where(inverse[:, None] >= 0, rows.index_select(0, inverse.clamp(min=0)), 0)
 
 
-def moe_combine_forward(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tuple[Tensor]:
+def moe_combine_fwd(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tuple[Tensor]:
     """Returns ``(y,)``."""
     ct = compute_dtype(y_sorted.dtype)
     tokens, k = weights.shape
@@ -347,7 +347,7 @@ def moe_combine_forward(y_sorted: Tensor, order: Tensor, weights: Tensor) -> tup
     return (y.to(y_sorted.dtype),)
 
 
-def moe_combine_backward(y_sorted: Tensor, order: Tensor, weights: Tensor, y: Tensor,
+def moe_combine_bwd(y_sorted: Tensor, order: Tensor, weights: Tensor, y: Tensor,
                          dy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Returns ``(dy_sorted, dweights)``."""
     if dy is None:
@@ -638,8 +638,8 @@ MOE_GATING = KernelSpec(
     name="moe_gating",
     signature=moe_gating,
     validate=validate_moe_gating,
-    forward=moe_gating_forward,
-    backward=moe_gating_backward,
+    forward=moe_gating_fwd,
+    backward=moe_gating_bwd,
     outputs=("weights", "indices"),
     differentiable=("logits",),
     # softmax: max, subtract, exp, sum, divide per logit
@@ -653,8 +653,8 @@ MOE_DISPATCH = KernelSpec(
     name="moe_dispatch",
     signature=moe_dispatch,
     validate=validate_moe_dispatch,
-    forward=moe_dispatch_forward,
-    backward=moe_dispatch_backward,
+    forward=moe_dispatch_fwd,
+    backward=moe_dispatch_bwd,
     outputs=("x_sorted", "offsets", "order"),
     differentiable=("x",),
     flops=lambda a: 0.0,
@@ -669,8 +669,8 @@ GROUPED_LINEAR = KernelSpec(
     name="grouped_linear",
     signature=grouped_linear,
     validate=validate_grouped_linear,
-    forward=grouped_linear_forward,
-    backward=grouped_linear_backward,
+    forward=grouped_linear_fwd,
+    backward=grouped_linear_bwd,
     outputs=("y",),
     differentiable=("x_sorted", "weight"),
     flops=lambda a: 2.0 * a["x_sorted"].shape[0] * a["weight"].shape[1] * a["x_sorted"].shape[1],
@@ -685,8 +685,8 @@ MOE_COMBINE = KernelSpec(
     name="moe_combine",
     signature=moe_combine,
     validate=validate_moe_combine,
-    forward=moe_combine_forward,
-    backward=moe_combine_backward,
+    forward=moe_combine_fwd,
+    backward=moe_combine_bwd,
     outputs=("y",),
     differentiable=("y_sorted", "weights"),
     flops=lambda a: 2.0 * a["y_sorted"].numel(),

@@ -82,13 +82,13 @@ def _rotate_backward(t: Tensor, dout: Tensor | None, cos: Tensor, sin: Tensor) -
     return (d * cos - _rotate_half(d * sin)).to(t.dtype).contiguous()
 
 
-def rope_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Returns ``(q_out, k_out)``."""
     c, s = _tables(cos, sin, q.dtype)
     return _rotate(q, c, s), _rotate(k, c, s)
 
 
-def rope_backward(
+def rope_bwd(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     q_out: Tensor, k_out: Tensor, dq_out: Tensor | None, dk_out: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
@@ -198,8 +198,8 @@ ROPE = KernelSpec(
     name="rope",
     signature=rope,
     validate=validate_rope,
-    forward=rope_forward,
-    backward=rope_backward,
+    forward=rope_fwd,
+    backward=rope_bwd,
     outputs=("q_out", "k_out"),
     differentiable=("q", "k"),
     unsaved=("q", "k"),
