@@ -1,30 +1,48 @@
-"""Where a kernel call's time goes on the GPU: the host (Python, launches) or the device (kernels).
+"""Host time of one small eager call: kpt's row kernels beside the cheapest calls there are.
 
-    python3 scripts/host_overhead.py --backend cuda rms_norm softmax moe_gating ...
+    python3 scripts/host_overhead.py                 # on a GPU: the cuda backend, JSON on stdout
+    python3 scripts/host_overhead.py --cpu-stub      # anywhere: the same host path, launches stubbed
+    python3 scripts/host_overhead.py --cpu-stub --profile rms_norm   # and where its time goes
 
-For each kernel's perf case in bfloat16, forward and forward+backward, it prints three numbers:
-the `kpt.bench` time (device events, the docs/performance.md method), the host time of one call (wall
-clock of back-to-back calls, nothing synchronized inside) and the device time of one call (the
-sum of its kernels' durations in the torch profiler). A benchmark time near the host time and far
-above the device time means the host, not the kernel, is the bottleneck.
+At one token (rms_norm of 1 × 4096 in bfloat16) a kernel runs for about 2 µs on the GPU, so a
+call costs what the host spends on it: argument checks, dispatch, tiling, allocation, launch. For
+each call this prints, in one JSON object, the host time per call (``wall_us``: the wall clock of
+``--calls`` back-to-back calls, nothing synchronized inside, so the GPU never holds the host back;
+``cpu_us``: the CPU time of this thread over the same calls) and, on a GPU, the device time per
+call (``device_us``: its kernels' durations in the torch profiler). The baselines measured in the
+same run: the launch of an empty Triton kernel (through Triton's launcher, and through
+`kpt_triton.launch.cached_launch`), a one-element ``torch.add``, and torch's eager kernels.
+
+``--cpu-stub`` runs kpt-cuda's host path on CPU tensors without a GPU and without Triton's
+interpreter: the backend is pinned to the H200's tuning table (``sm90-hbm3e``), and each compiled
+kernel is replaced by one whose launch does nothing, so that every line of Python from the kernel
+method down to the launcher's call runs as on the GPU; only the C launch itself (and the CUDA
+caching allocator, replaced by the CPU one) is missing. Torch's eager rows then compute on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import kpt
-from kpt.bench.host import host_us
-from kpt.bench.measure import draw_inputs, make_runner
-from kpt.bench.sweeps import MODES
-from kpt.bench.timing import time_ms
 
 
-def device_us(run, calls: int = 20) -> float:
+def device_us(run: Callable[[], Any], calls: int = 20) -> float:
+    """Device time of one call in microseconds: the sum of its kernels' durations in the profiler."""
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -35,22 +53,158 @@ def device_us(run, calls: int = 20) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / calls
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_us(run: Callable[[], Any], calls: int, rounds: int = 7) -> dict[str, float]:
+    """Wall and thread-CPU microseconds per call of ``calls`` back-to-back calls: the median of
+    ``rounds`` (synchronized between rounds only), and the fastest round's CPU time (the round least
+    disturbed by other processes)."""
+    for _ in range(10):  # compiled, tuned and cached before it is timed
+        run()
+    _sync()
+    wall, cpu = [], []
+    for _ in range(rounds):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        for _ in range(calls):
+            run()
+        wall.append((time.perf_counter() - start) / calls * 1e6)
+        cpu.append((time.thread_time() - start_cpu) / calls * 1e6)
+        _sync()
+    return {
+        "wall_us": round(statistics.median(wall), 2),
+        "cpu_us": round(statistics.median(cpu), 2),
+        "min_cpu_us": round(min(cpu), 2),
+    }
+
+
+class _Compiled:
+    """What `cached_launch` reads of a compiled kernel, with a launch that does nothing."""
+
+    function = 0
+    packed_metadata = None
+
+    def run(self, *args: Any) -> None:
+        pass
+
+
+class _StubJit:
+    """A ``triton.jit`` function that "compiles" to `_Compiled` at its first launch."""
+
+    def __init__(self, fn: Any) -> None:
+        self.signature = fn.signature
+
+    def __getitem__(self, grid: Any) -> Callable[..., _Compiled]:
+        return lambda *args, **kwargs: _Compiled()
+
+
+def stub_launches(*extra: Any) -> None:
+    """Make every kpt-triton launch (and each `cached_launch` kernel of ``extra``) a no-op that
+    still runs `cached_launch`'s Python: its cache-hit path, as on a GPU after the first call, with
+    one visible device whose current stream is 0. Kernels launched through Triton's own path do
+    nothing at all (their dispatch is not measured)."""
+    from triton.runtime.jit import JITFunction
+
+    from kpt_triton import launch
+    from kpt_triton.backend import portable_modules
+
+    one_device = types.SimpleNamespace(device_count=lambda: 1)
+    launch.driver = types.SimpleNamespace(
+        active=types.SimpleNamespace(  # type: ignore[assignment]
+            get_current_device=lambda: 0, get_current_stream=lambda device: 0, get_device_interface=lambda: one_device
+        )
+    )
+    kernels = [
+        v for m in set(portable_modules().values()) for v in vars(m).values() if isinstance(v, launch.cached_launch)
+    ]
+    for kernel in (*kernels, *extra):
+        kernel.fn = _StubJit(kernel.fn)
+    JITFunction.run = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+
+
+def empty_kernels(t: torch.Tensor, stub: bool) -> dict[str, Callable[[], Any]]:
+    """Launches of a Triton kernel that does nothing (one pointer argument); with ``stub``, only
+    `cached_launch`'s, stubbed (Triton's own launcher needs a GPU)."""
+    import triton
+
+    from kpt_triton.launch import cached_launch
+
+    @triton.jit
+    def empty(x):
+        pass
+
+    cached = cached_launch(empty)
+    if stub:
+        stub_launches(cached)
+        return {"empty Triton kernel (cached_launch)": lambda: cached[(1,)](t)}
+    return {
+        "empty Triton kernel (Triton's launch)": lambda: empty[(1,)](t),
+        "empty Triton kernel (cached_launch)": lambda: cached[(1,)](t),
+    }
+
+
+def calls(be: kpt.Backend, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """The measured calls, by name: decode-step shapes (one token) in bfloat16."""
+    bf16 = {"dtype": torch.bfloat16, "device": device}
+    x = torch.randn(1, 4096, **bf16)
+    w, b = torch.randn(4096, **bf16), torch.randn(4096, **bf16)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    q, k = torch.randn(1, 32, 1, 128, **bf16), torch.randn(1, 8, 1, 128, **bf16)
+    cos, sin = torch.randn(1, 128, **bf16), torch.randn(1, 128, **bf16)
+    norm = kpt.nn.RMSNorm(4096, **bf16)
+    one = torch.ones(1, device=device)
+    return {
+        "torch.add, 1 element": lambda: torch.add(one, one),
+        "torch rms_norm": lambda: F.rms_norm(x, (4096,), w, 1e-6),
+        "torch layer_norm": lambda: F.layer_norm(x, (4096,), w, b, 1e-5),
+        "torch softmax": lambda: F.softmax(x, -1),
+        "kpt rms_norm": lambda: be.rms_norm(x, w, 1e-6),
+        "kpt rms_norm, call by keywords": lambda: be.call("rms_norm", x=x, weight=w, eps=1e-6),
+        "kpt rms_norm, requires grad": lambda: be.rms_norm(xg, wg, 1e-6),
+        "kpt rms_norm, nn.RMSNorm": lambda: norm(x),
+        "kpt layer_norm": lambda: be.layer_norm(x, w, b, 1e-5),
+        "kpt softmax": lambda: be.softmax(x, -1),
+        "kpt rope": lambda: be.rope(q, k, cos, sin),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="cuda")
-    parser.add_argument("kernels", nargs="+")
+    parser.add_argument("--cpu-stub", action="store_true", help="CPU tensors, launches stubbed (no GPU needed)")
+    parser.add_argument("--calls", type=int, default=1000, help="back-to-back calls per round")
+    parser.add_argument(
+        "--profile",
+        metavar="NAME",
+        help="cProfile this call (a key of the JSON's rows, or a kernel: 'rms_norm' is 'kpt rms_norm') to stderr",
+    )
     opts = parser.parse_args()
-    backend = kpt.get_backend(opts.backend)
-    print("| kernel | mode | benchmark ms | host us/call | device us/call |\n|---|---|---|---|---|")
-    for name in opts.kernels:
-        spec = kpt.SPECS[name]
-        case = next(c for c in spec.cases() if c.perf)
-        args = draw_inputs(spec, case, torch.bfloat16, backend.device(), seed=0)
-        for mode in MODES if spec.differentiable else MODES[:1]:
-            run = make_runner(functools.partial(backend.call, name), spec, args, mode)
-            ms = time_ms(run, backend.device())
-            print(f"| {name} | {mode} | {ms:.4f} | {host_us(run):.1f} | {device_us(run):.1f} |", flush=True)
-        torch.cuda.empty_cache()
+    if opts.cpu_stub:
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            parser.error("--cpu-stub runs the GPU's host path: unset TRITON_INTERPRET")
+        from kpt_cuda import CudaBackend
+
+        be: kpt.Backend = CudaBackend(arch="sm90-hbm3e")
+        device = torch.device("cpu")
+    else:
+        be = kpt.get_backend("cuda")
+        device = be.device()
+    run = {**empty_kernels(torch.zeros(1, device=device), opts.cpu_stub), **calls(be, device)}
+    rows = {}
+    with kpt.use_backend(be):  # for nn.RMSNorm: on CPU tensors it would find the reference backend
+        for name, fn in run.items():
+            rows[name] = host_us(fn, opts.calls)
+            if not opts.cpu_stub:
+                rows[name]["device_us"] = round(device_us(fn), 2)
+    environment = {**be.environment(), "python": sys.version.split()[0], "mode": "cpu-stub" if opts.cpu_stub else "gpu"}
+    print(json.dumps({"environment": environment, "calls": opts.calls, "rows": rows}, indent=1))
+    if opts.profile:
+        fn = run.get(opts.profile) or run[f"kpt {opts.profile}"]
+        profiler = cProfile.Profile()
+        with kpt.use_backend(be):
+            profiler.runcall(lambda: [fn() for _ in range(20 * opts.calls)])
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
