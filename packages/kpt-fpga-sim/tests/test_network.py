@@ -314,14 +314,9 @@ def _key(report) -> str:
     return f"{report.source}/{report.path.split('/')[0]}"
 
 
-_EXPECTED_MISSES = {("Hector-Plata/hls4ml-tutorial/model_1", "dsp"), ("Hector-Plata/hls4ml-tutorial/model_3", "dsp"),
-                    ("taitashaw/hls4ml-fpga-classifier/my-hls-test", "ff")}
-"""Cells outside the tolerance. model_1: the seeded Glorot-uniform weights cannot match that run's
-trained weights, much sparser (its report puts 23% of the 64→32 layer's multiplies in DSPs, the
-Vitis run of the same recipe 54%); with its published output-layer weights the rule counts 110
-DSPs against 114. model_3 (held out, QKeras): 6-bit weights times 16-bit inputs, which the rule
-builds in LUTs, Vivado put 23 of in DSPs (the estimate: 5 DSPs, the report 28). my-hls-test (held
-out, Vitis 2025.2, io_stream): 19,480 FF estimated against 5,127, the pipeline registers of a
+_EXPECTED_MISSES = {("taitashaw/hls4ml-fpga-classifier/my-hls-test", "ff")}
+"""Cells outside the tolerance. my-hls-test (held out, Vitis 2025.2, io_stream): 19,480 FF
+estimated against 5,127, the pipeline registers of a
 latency-strategy dense layer that this tool version and hls4ml's newer stream dense do without."""
 
 
@@ -341,11 +336,12 @@ def test_held_out_reports_smape() -> None:
     held = [r for r in calibration.REPORTS if r.held_out]
     assert {r.io for r in held} == {"parallel", "stream"} and any(r.layers for r in held)   # io_stream, QKeras
     got = calibration.smapes(held)
-    # measured on the four held-out reports: latency 27%, interval 17%, DSP 42% (the QKeras
-    # report's 0.18x). The target of 25% on latency is not met (the Vitis 2025.2 io_stream MLP is
-    # 1.8x): these bounds hold the measured numbers so that a regression fails
+    # measured on the four held-out reports: latency 29%, interval 17%, DSP 9% (the pruned and the
+    # QKeras jet taggers costed with their published weights). The target of 25% on latency is not
+    # met (the Vitis 2025.2 io_stream MLP is 1.8x): these bounds hold the measured numbers so that a
+    # regression fails
     assert got["latency_cycles"] <= 30 and got["interval"] <= 20, got
-    assert got["dsp"] <= 45, got
+    assert got["dsp"] <= 12, got
 
 
 def test_calibrate_cli(capsys) -> None:

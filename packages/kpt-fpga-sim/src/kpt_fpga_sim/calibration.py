@@ -4,12 +4,15 @@ Every number in `REPORTS` was read from the report named by its source (reposito
 path): the summary's latency and interval (cycles; the worst case where it gives a range) and
 its utilization totals. The model
 (architecture, precision, reuse factor, strategy, io type, part, clock) is the one the report's
-project was built from. The weights are not in the reports, so the estimate draws them
-Glorot-uniform (seeded): Keras's default initializer, which hls4ml's test model keeps
-untrained. That matters for the DSP count only: a trained network with many near-zero weights
-needs fewer DSPs (`kpt_fpga_sim.multipliers`), and the estimate of such a network is as good as
-the weights it is given. A pruned design's report project states how many weights of each layer
-are zero (``n_zeros`` in its parameters.h): the estimate zeroes as many, the smallest first.
+project was built from. A constant multiply's hardware depends on the weight
+(`kpt_fpga_sim.multipliers`), so the estimate takes the design's own weights where its project
+publishes them (``weights``: a file of `kpt_fpga_sim/published`, the trained weights in the
+design's weight type). Elsewhere it draws them Glorot-uniform (seeded): Keras's default
+initializer, which hls4ml's test model keeps untrained; a trained network with many near-zero
+weights needs fewer DSPs than that, a quantization-aware trained one more (its weights spread
+over the few levels of its type). A pruned design's report project states how many weights of
+each layer are zero (``n_zeros`` in its parameters.h): a Glorot-uniform draw zeroes as many, the
+smallest first.
 
 Reports marked ``held_out`` were not looked at while the model's constants were chosen (the
 constants came from the others); `table` states the sMAPE of both groups, and the tests hold the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 
 import torch
 from torch import nn
@@ -91,6 +95,8 @@ class Published:
     """`estimate_model`'s per-module overrides (the project's per-layer precisions)."""
     held_out: bool = False
     """Not used when the model's constants were chosen."""
+    weights: str = ""
+    """The file of `kpt_fpga_sim/published` with the design's weights (empty: Glorot-uniform)."""
 
 
 REPORTS = (
@@ -103,7 +109,8 @@ REPORTS = (
               "model_1/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
               "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
               "xcu250-figd2104-2L-e", 200.0,
-              {"latency_cycles": 13, "interval": 1, "dsp": 1520, "lut": 85140, "ff": 11100, "bram18": 4}),
+              {"latency_cycles": 13, "interval": 1, "dsp": 1520, "lut": 85140, "ff": 11100, "bram18": 4},
+              weights="hls4ml-tutorial_model_1.txt"),
     Published("fastmachinelearning/hls4ml", "9d6e76efe7373d4bac58b0200f8a3986de696505",
               "test/pytest/test_report/Vivado/myproject_csynth.rpt",
               "Vivado HLS 2020.1", "dense 16-5 + relu", "ap_fixed<16,6>", 1, "latency", "stream",
@@ -121,13 +128,14 @@ REPORTS = (
               "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
               "xcu250-figd2104-2L-e", 200.0,
               {"latency_cycles": 11, "interval": 1, "dsp": 803, "lut": 30204, "ff": 5734, "bram18": 4},
-              zeros=(767, 1536, 768, 120), held_out=True),
+              zeros=(767, 1536, 768, 120), held_out=True, weights="hls4ml-tutorial_model_2.txt"),
     Published("Hector-Plata/hls4ml-tutorial", "4ac4f07a0edf530cde74aec53610e1e22a6ecc2d",
               "model_3/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
               "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
               "xcu250-figd2104-2L-e", 200.0,
               {"latency_cycles": 10, "interval": 1, "dsp": 28, "lut": 32227, "ff": 3045, "bram18": 4},
-              zeros=(777, 1616, 796, 120), layers=_QKERAS_MLP, held_out=True),
+              zeros=(777, 1616, 796, 120), layers=_QKERAS_MLP, held_out=True,
+              weights="hls4ml-tutorial_model_3.txt"),
     # reuse 16 as configured (latency strategy), 40 MHz
     Published("pominiq/DNNonSilicon", "c28e4f1689d3b0259290c3e02abf7db3d4b2296c",
               "hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
@@ -144,11 +152,38 @@ REPORTS = (
 )
 
 
+def published_weights(name: str) -> dict[str, torch.Tensor]:
+    """The weights in file ``name`` of `kpt_fpga_sim/published`: module name -> weight in torch's
+    layout (out, in), float64, exactly the design's fixed-point values."""
+    text = (resources.files(__package__) / "published" / name).read_text()
+    words = " ".join(line for line in text.splitlines() if not line.startswith("#")).split()
+    out: dict[str, torch.Tensor] = {}
+    i = 0
+    while i < len(words):
+        if words[i] != "layer":
+            raise ValueError(f"{name}: expected 'layer' at word {i}, got {words[i]!r}")
+        module, n_in, n_out, frac = words[i + 1], int(words[i + 2]), int(words[i + 3]), int(words[i + 4])
+        raw = torch.tensor([int(w) for w in words[i + 5:i + 5 + n_in * n_out]], dtype=torch.float64)
+        out[module] = (raw / 2.0**frac).reshape(n_in, n_out).T
+        i += 5 + n_in * n_out
+    return out
+
+
 def estimate(report: Published, seed: int = 0) -> NetworkReport:
-    """`estimate_model` on the report's model and settings, Glorot-uniform weights from ``seed``."""
+    """`estimate_model` on the report's model and settings, with the design's published weights
+    (``report.weights``) or Glorot-uniform ones from ``seed``; biases zero."""
     build, shape = MODELS[report.model]
-    g = torch.Generator().manual_seed(seed)
     model = build().eval()
+    if report.weights:
+        given = published_weights(report.weights)
+        with torch.no_grad():
+            for name, m in model.named_modules():
+                if isinstance(m, (nn.Linear, nn.Conv2d)):
+                    m.weight.copy_(given[name].reshape(m.weight.shape))
+                    if m.bias is not None:
+                        m.bias.zero_()
+        return _estimate(model, shape, report)
+    g = torch.Generator().manual_seed(seed)
     weighted = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     zeros = report.zeros or (0,) * len(weighted)
     with torch.no_grad():
@@ -161,6 +196,10 @@ def estimate(report: Published, seed: int = 0) -> NetworkReport:
                 m.weight.view(-1)[m.weight.abs().flatten().argsort()[:n_zeros]] = 0.0
             if m.bias is not None:
                 m.bias.zero_()
+    return _estimate(model, shape, report)
+
+
+def _estimate(model: nn.Module, shape: tuple[int, ...], report: Published) -> NetworkReport:
     return estimate_model(model, torch.zeros(shape), format=report.precision, device=report.part,
                           clock_mhz=report.clock_mhz, reuse=report.reuse, strategy=report.strategy, io=report.io,
                           layers=report.layers)
