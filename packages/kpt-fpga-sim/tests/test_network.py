@@ -130,8 +130,10 @@ def test_reuse_adjusted_to_a_valid_factor() -> None:
         assert all((n_in * n_out) % r == 0 for r in valid)
     g = _gen()
     model = _mlp(g, 10, 3)
-    rep = estimate_model(model, torch.randn(1, 10, generator=g), reuse=4)
+    rep = estimate_model(model, torch.randn(1, 10, generator=g), reuse=4, strategy="resource")
     assert rep.layers[0].reuse == nearest_reuse(10, 3, 4) != 4 and "reuse 4 ->" in rep.layers[0].note
+    kept = estimate_model(model, torch.randn(1, 10, generator=g), reuse=4)   # the latency strategy keeps it
+    assert kept.layers[0].reuse == 4 and kept.layers[0].interval == 4 and "reuse" not in kept.layers[0].note
 
 
 def test_batchnorm_is_folded_into_the_layer_before() -> None:

@@ -11,8 +11,10 @@ from memory (`kpt_fpga_sim.kernels.linear`) but a fixed circuit:
 * ``strategy="resource"``: the weights in a ROM (R words of ⌈N·K / R⌉ weights; LUT RAM up to
   1 Kib, else block RAM), ⌈N·K / R⌉ general multipliers each accumulating R products
   into its output lane: latency R plus the ROM read, multiply, accumulate and write stages.
-* Reuse factors are adjusted to the nearest valid one as hls4ml does (`valid_reuse`), and the
-  report shows the one used.
+* In the resource strategy, reuse factors are adjusted to the nearest valid one as hls4ml does
+  (`valid_reuse`), and the report shows the one used. The latency strategy keeps the configured
+  factor (hls4ml adjusts only resource-strategy layers: a latency-strategy project's
+  parameters.h carries ``reuse_factor = 16`` for a 9 → 4 convolution).
 * ``io="parallel"``: whole arrays between layers, the network one pipeline (interval: the
   slowest layer's; latency: the layers' plus one register stage per registered layer, plus
   the input register). A convolution computes one output pixel per R cycles.
@@ -231,7 +233,8 @@ def _dense_core(ctx: _Ctx, w: torch.Tensor, bias: bool, data_bits: int, s: Setti
     """One product ``y[N] = W[N, K] · x[K] (+ b)`` with constant weights."""
     n, k = w.shape
     raw = _quantized(w, s.weight_format)
-    reuse = s.reuse if valid_reuse(k, n, s.reuse) else nearest_reuse(k, n, s.reuse)
+    keep = s.strategy == "latency" or valid_reuse(k, n, s.reuse)
+    reuse = s.reuse if keep else nearest_reuse(k, n, s.reuse)
     note = f"reuse {s.reuse} -> {reuse}" if reuse != s.reuse else ""
     acc = s.accum_format.w
     out_bits = s.result_format.w
