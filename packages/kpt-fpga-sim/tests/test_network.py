@@ -313,7 +313,7 @@ def test_row_lanes_capped_at_the_row_and_tables_counted() -> None:
 # -- calibration ----------------------------------------------------------------------------------
 
 def _key(report) -> str:
-    return f"{report.source}/{report.path.split('/')[0]}"
+    return report.name
 
 
 _EXPECTED_MISSES = {("taitashaw/hls4ml-fpga-classifier/my-hls-test", "ff")}
@@ -336,14 +336,15 @@ def test_calibration_within_tolerance(report) -> None:
 
 def test_held_out_reports_smape() -> None:
     held = [r for r in calibration.REPORTS if r.held_out]
-    assert {r.io for r in held} == {"parallel", "stream"} and any(r.layers for r in held)   # io_stream, QKeras
+    assert len(held) >= 8 and {r.io for r in held} == {"parallel", "stream"} and any(r.layers for r in held)
+    # each within 2x on latency, interval and DSP: test_calibration_within_tolerance, no miss excused
+    assert all(calibration.TOLERANCE[q] == 2.0 for q in ("latency_cycles", "interval", "dsp"))
+    assert not {q for _, q in _EXPECTED_MISSES} & {"latency_cycles", "interval", "dsp"}
     got = calibration.smapes(held)
-    # measured on the four held-out reports: latency 29%, interval 17%, DSP 9% (the pruned and the
-    # QKeras jet taggers costed with their published weights). The target of 25% on latency is not
-    # met (the Vitis 2025.2 io_stream MLP is 1.8x): these bounds hold the measured numbers so that a
-    # regression fails
-    assert got["latency_cycles"] <= 30 and got["interval"] <= 20, got
-    assert got["dsp"] <= 12, got
+    # measured on the eight held-out reports: latency 14%, interval 8%, DSP 6% (the four gathered
+    # first alone: latency 26%, the Vitis 2025.2 io_stream MLP at 1.8x); the target is latency 25%,
+    # and the bounds sit just above the measured numbers so that a regression fails
+    assert got["latency_cycles"] <= 16 and got["interval"] <= 10 and got["dsp"] <= 8, got
 
 
 def test_calibrate_cli(capsys) -> None:

@@ -15,8 +15,9 @@ each layer are zero (``n_zeros`` in its parameters.h): a Glorot-uniform draw zer
 smallest first.
 
 Reports marked ``held_out`` were not looked at while the model's constants were chosen (the
-constants came from the others); `table` states the sMAPE of both groups, and the tests hold the
-held-out ones to `TOLERANCE` on latency and interval.
+constants came from the others); `table` states the sMAPE of both groups, and the tests hold every
+report to `TOLERANCE` (2x on latency, interval and DSP) and the held-out sMAPE near its measured
+value.
 
     python -m kpt_fpga_sim calibrate        # estimate against report, per quantity, and the sMAPE
 """
@@ -59,11 +60,17 @@ def small_mnist_cnn_softmax() -> nn.Module:
     return nn.Sequential(*small_mnist_cnn(), nn.Softmax(dim=-1))
 
 
+def small_mnist_cnn_relu() -> nn.Module:
+    """`small_mnist_cnn` with a ReLU after its dense layer."""
+    return nn.Sequential(*small_mnist_cnn(), nn.ReLU())
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "jet-tagging MLP 16-64-32-32-5": (jet_tagging_mlp, (1, 16)),
     "dense 16-5 + relu": (dense_16_5_relu, (1, 16)),
     "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10": (small_mnist_cnn, (1, 1, 28, 28)),
     "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10-softmax": (small_mnist_cnn_softmax, (1, 1, 28, 28)),
+    "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10-relu": (small_mnist_cnn_relu, (1, 1, 28, 28)),
 }
 
 _QKERAS_BITS = "quantized_bits(6, 0, alpha=1)"
@@ -97,6 +104,12 @@ class Published:
     """Not used when the model's constants were chosen."""
     weights: str = ""
     """The file of `kpt_fpga_sim/published` with the design's weights (empty: Glorot-uniform)."""
+
+    @property
+    def name(self) -> str:
+        """The repository and the report's project folder."""
+        folder = self.path.split("/myproject_prj/")[0]
+        return f"{self.source}/{folder.rsplit('/', 1)[0] if folder.endswith('.rpt') else folder}"
 
 
 REPORTS = (
@@ -148,6 +161,32 @@ REPORTS = (
               "Vitis HLS 2025.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "stream",
               "xczu7ev-ffvc1156-2-e", 100.0,
               {"latency_cycles": 20, "interval": 7, "dsp": 3334, "lut": 127264, "ff": 5127, "bram18": 4},
+              held_out=True),
+    # held out: four more io_stream CNNs of the same project (Vivado HLS 2020.1), added after the
+    # estimate's rules were last changed and not used to change them
+    Published("pominiq/DNNonSilicon", "d3a8c6907950ee96c858a2d0ab80d12d1c8f721f",
+              "Folder_2_HLS4ML_Vivado_HLS/models/MNIST_original/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10-softmax", "ap_fixed<16,6>", 1,
+              "latency", "stream", "xcu50-fsvh2104-2-e", 40.0,
+              {"latency_cycles": 794, "interval": 788, "dsp": 567, "lut": 30339, "ff": 5989, "bram18": 16},
+              held_out=True),
+    Published("pominiq/DNNonSilicon", "588f69ec05398b41ad61a3866673312d6bbbc3b3",
+              "model_02/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10", "ap_fixed<16,6>", 64, "resource",
+              "stream", "xc7z020-clg400-1", 100.0,
+              {"latency_cycles": 35422, "interval": 35281, "dsp": 10, "lut": 18408, "ff": 13539, "bram18": 17},
+              held_out=True),
+    Published("pominiq/DNNonSilicon", "bc4d6a868866181c789f39f070ca017a5796b279",
+              "model_03/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10-relu", "ap_fixed<16,6>", 4, "resource",
+              "stream", "xc7z020-clg400-1", 100.0,
+              {"latency_cycles": 9482, "interval": 9409, "dsp": 164, "lut": 34122, "ff": 22809, "bram18": 80},
+              held_out=True),
+    Published("pominiq/DNNonSilicon", "435942acda596a8ecefa81fade691106890bd869",
+              "model_2_mix_RF32/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
+              "Vivado HLS 2020.1", "CNN 28x28x1 conv4-pool4-conv8-pool2-dense10", "ap_fixed<16,6>", 32, "resource",
+              "stream", "xcu50-fsvh2104-2-e", 100.0,
+              {"latency_cycles": 33777, "interval": 33713, "dsp": 19, "lut": 17110, "ff": 8251, "bram18": 21},
               held_out=True),
 )
 
@@ -226,7 +265,7 @@ def table(reports: Sequence[Published] = REPORTS) -> str:
                                                                "held out": {q: [] for q in QUANTITIES}}
     for rep in reports:
         est = estimate(rep)
-        label = f"{rep.source}/{rep.path.split('/')[0]} ({rep.tool}{', held out' if rep.held_out else ''})"
+        label = f"{rep.name} ({rep.tool}{', held out' if rep.held_out else ''})"
         for q in QUANTITIES:
             e, r = getattr(est, q), rep.numbers[q]
             pairs[q].append((e, r))
