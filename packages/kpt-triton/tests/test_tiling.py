@@ -91,6 +91,17 @@ def test_row_tiling_holds_no_more_rows_than_there_are(d, rows, expected) -> None
     assert tiling.row_tiling(d, max_block=16384, tile_elems=16384, rows=rows) == expected
 
 
+@pytest.mark.parametrize("rows, d", [(1, 4096), (3, 17), (1000, 20000)])
+def test_row_launch_is_row_tiling_computed_once_per_shape(rows, d) -> None:
+    grid, options = tiling.row_launch(rows, d, 16384, 4096, 512, True, HAS_WEIGHT=False)
+    block_r, block_d = tiling.row_tiling(d, max_block=16384, tile_elems=4096, rows=rows)
+    assert grid == (tiling.cdiv(rows, block_r),)
+    assert options == {"HAS_WEIGHT": False, "BLOCK_R": block_r, "BLOCK_D": block_d, "ONE_CHUNK": d <= block_d,
+                       "num_warps": tiling.warps(block_r * block_d, 512), **tiling.row_statistics_options(block_d)}
+    assert tiling.row_launch(rows, d, 16384, 4096, 512, True, HAS_WEIGHT=False)[1] is options
+    assert "enable_fp_fusion" not in tiling.row_launch(rows, d, 16384, 4096, 512, HAS_WEIGHT=False)[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_sums_of_one_program_are_the_gradient_itself(dtype) -> None:
     """One program of one-chunk rows writes the whole sum once in the parameter's dtype: the buffer

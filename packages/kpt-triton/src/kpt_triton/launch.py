@@ -28,7 +28,7 @@ against 55 µs; moe_combine 132–137 against 89 µs; ``benchmarks/h100-2026-11-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -90,9 +90,11 @@ class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
     def __getitem__(self, grid: Sequence[int] | Callable[..., Sequence[int]]) -> Callable[..., Any]:
         if callable(grid):  # a grid computed from the arguments: Triton's path
             return self.fn[grid]
-        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def _launch(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def launch(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """``self[grid](*args, **kwargs)`` without building the call: for a launcher that keeps the
+        keywords of a shape (`kpt_triton.tiling.row_launch`), which this never modifies."""
         if (self._device is None or self._stream is None or _hooked(knobs.runtime.launch_enter_hook)
                 or _hooked(knobs.runtime.launch_exit_hook)):
             self._first(grid, args, kwargs)
@@ -116,7 +118,7 @@ class cached_launch:  # noqa: N801 (a decorator, named like triton.jit)
             self._stream(device), kernel.function, kernel.packed_metadata, None, None, None, *values, *constexprs,
         )
 
-    def _first(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _first(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Triton's own launch; remembers the compiled kernel where the call is cacheable."""
         kernel = self.fn[grid](*args, **kwargs)
         if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):

@@ -34,7 +34,7 @@ from .tiling import (
     load_vector,
     partial_sums,
     persistent_programs,
-    row_statistics_options,
+    row_launch,
     row_tiling,
     store_output,
     total,
@@ -209,14 +209,12 @@ def layer_norm_fwd(x, weight, bias, eps, *, max_block: int = 16384, tile_elems: 
     y = dense_like(x)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     if n_rows:
-        _layer_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
-            x2, vector(weight), vector(bias), y, mean, rstd, n_rows, d, x2.stride(0), x2.stride(1), eps,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
-            num_warps=warps(block_r * block_d, elems_per_warp), **row_statistics_options(block_d),
-        )
+        grid, options = row_launch(n_rows, d, max_block, tile_elems, elems_per_warp, True,
+                                   HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, STREAM=stream)
+        stride_r, stride_c = x2.stride()
+        _layer_norm_fwd_kernel.launch(grid, (x2, vector(weight), vector(bias), y, mean, rstd, n_rows, d,
+                                             stride_r, stride_c, eps), options)
     return y, mean, rstd
 
 

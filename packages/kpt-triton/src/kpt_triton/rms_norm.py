@@ -32,7 +32,7 @@ from .tiling import (
     load_vector,
     partial_sums,
     persistent_programs,
-    row_statistics_options,
+    row_launch,
     row_tiling,
     total,
     vector,
@@ -186,15 +186,13 @@ def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
     h = dense_like(x) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     res2 = rows(residual) if residual is not None else x2
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
     if n_rows:
-        _rms_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
-            x2, res2, vector(weight), y, h, rstd, n_rows, d,
-            x2.stride(0), x2.stride(1), res2.stride(0), res2.stride(1), eps,
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d,
-            num_warps=warps(block_r * block_d, elems_per_warp), **row_statistics_options(block_d),
-        )
+        grid, options = row_launch(n_rows, d, max_block, tile_elems, elems_per_warp, True,
+                                   HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None)
+        stride_xr, stride_xc = x2.stride()
+        stride_rr, stride_rc = res2.stride()
+        _rms_norm_fwd_kernel.launch(grid, (x2, res2, vector(weight), y, h, rstd, n_rows, d,
+                                           stride_xr, stride_xc, stride_rr, stride_rc, eps), options)
     return y, h, rstd
 
 
