@@ -178,12 +178,16 @@ class Backend(KernelMethods):
         if reason:
             raise KernelNotSupportedError(f"{kernel}: not supported by backend {self.name!r}: {reason}")
         grad_enabled = torch.is_grad_enabled()
-        needs_grad = grad_enabled and _needs_grad(spec, bound)
+        meta = requires_grad = False  # of any tensor: one pass over them (a call's host time counts)
+        for v in bound.values():
+            if isinstance(v, torch.Tensor):
+                meta |= v.is_meta
+                requires_grad |= v.requires_grad
+        needs_grad = grad_enabled and requires_grad and _needs_grad(spec, bound)
         values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
         registration = self._registration
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        traced = torch.compiler.is_compiling() or any(t.is_meta for t in tensors)
-        if not traced and (dtensors := _distributed(self, values, tensors)) is not None:
+        traced = meta or torch.compiler.is_compiling()
+        if not traced and (dtensors := _distributed(self, values)) is not None:
             values, traced = dtensors, True
         if spec.check_indices is not None and not traced and indices_checked(self.checks_indices):
             spec.check_indices(bound)
@@ -194,7 +198,7 @@ class Backend(KernelMethods):
             out = registration.ops[kernel](*values)
         elif needs_grad:
             out = registration.functions[kernel](*values)
-        elif grad_enabled and any(t.requires_grad for t in tensors):
+        elif grad_enabled and requires_grad:
             # inputs outside ``spec.differentiable`` that require grad: the result carries no graph
             with torch.no_grad():
                 out = registration.kernels[kernel].forward(*values)
@@ -248,14 +252,14 @@ def check_name(name: Any) -> None:
                            "in words joined by single hyphens, such as 'acme-npu'")
 
 
-def _distributed(backend: Backend, values: list[Any], tensors: list[torch.Tensor]) -> list[Any] | None:
+def _distributed(backend: Backend, values: list[Any]) -> list[Any] | None:
     """Where a tensor is a DTensor: ``values`` with every other tensor made a replicated DTensor
     on its mesh (a norm's weight, a loss's targets), for the op, which DTensor runs on each rank's
     shard by `kpt.distributed`'s rules (registered here the first time; a call compiled before
     any eager one finds them once ``kpt.distributed`` is imported). None where there is none. As
     under ``torch.compile``, index values are not checked: they would be read from every shard."""
     dtensor = sys.modules.get("torch.distributed.tensor")
-    mesh = next((t.device_mesh for t in tensors if isinstance(t, dtensor.DTensor)), None) if dtensor else None
+    mesh = next((v.device_mesh for v in values if isinstance(v, dtensor.DTensor)), None) if dtensor else None
     if mesh is None:
         return None
     from . import distributed
