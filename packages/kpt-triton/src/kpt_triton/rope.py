@@ -18,6 +18,8 @@ q or of k; the tables are indexed per batch (``[B, S, D]``) or shared (``[S, D]`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -83,6 +85,19 @@ def _rope_kernel(
                    BACKWARD, BLOCK_S, BLOCK_HALF, STREAM)
 
 
+@functools.lru_cache(maxsize=4096)
+def _tiling(b, s, d, heads_q, heads_k, tile_elems, elems_per_warp, backward, stream):
+    """``(programs of q, grid, keywords)`` of a launch over ``heads_q`` and ``heads_k`` heads of ``b``
+    sequences of ``s`` positions: computed once per shape and tuning (a decode step's launcher
+    spent a microsecond or two of host a call on them). The keywords are shared: never modified."""
+    block_half = next_pow2(d // 2)
+    block_s = max(1, min(next_pow2(s), tile_elems // (2 * block_half)))
+    q_tiles, k_tiles = (b * h * cdiv(s, block_s) for h in (heads_q, heads_k))
+    options = {"BACKWARD": backward, "BLOCK_S": block_s, "BLOCK_HALF": block_half, "STREAM": stream,
+               "num_warps": warps(2 * block_s * block_half, elems_per_warp)}
+    return q_tiles, (q_tiles + k_tiles,), options
+
+
 def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
     """Rotate ``q`` and ``k`` (either may be None: nothing to rotate) in one launch."""
     outs = [None if t is None else dense_like(t) for t in (q, k)]
@@ -91,20 +106,14 @@ def _rotate(q, k, cos, sin, backward, tile_elems, elems_per_warp, stream):
     # a shared table is the per-batch table with batch stride 0 (strides given, no expanded view)
     cos_strides, sin_strides = (cos.stride(), sin.stride()) if cos.dim() == 3 else \
         ((0, *cos.stride()), (0, *sin.stride()))
-    block_half = next_pow2(d // 2)
-    block_s = max(1, min(next_pow2(s), tile_elems // (2 * block_half)))
     # an absent tensor runs no program: it stands in for itself with its head count set to 0
     heads = [0 if t is None else t.shape[1] for t in (q, k)]
     ts = [t0 if t is None else t for t in (q, k)]
     os_ = [ts[i] if o is None else o for i, o in enumerate(outs)]
-    tiles = [b * h * cdiv(s, block_s) for h in heads]
-    if sum(tiles):
-        _rope_kernel[(sum(tiles),)](
-            ts[0], ts[1], cos, sin, os_[0], os_[1], heads[0], heads[1], s, d // 2, tiles[0],
-            *ts[0].stride(), *ts[1].stride(), *cos_strides, *sin_strides,
-            BACKWARD=backward, BLOCK_S=block_s, BLOCK_HALF=block_half, STREAM=stream,
-            num_warps=warps(2 * block_s * block_half, elems_per_warp),
-        )
+    q_tiles, grid, options = _tiling(b, s, d, *heads, tile_elems, elems_per_warp, backward, stream)
+    if grid[0]:
+        _rope_kernel.launch(grid, (ts[0], ts[1], cos, sin, os_[0], os_[1], *heads, s, d // 2, q_tiles,
+                                   *ts[0].stride(), *ts[1].stride(), *cos_strides, *sin_strides), options)
     return outs
 
 
