@@ -48,6 +48,12 @@ _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 _NORM_BWD_SM90 = {"tile_elems": 4096, "elems_per_warp": 1024, "programs_per_sm": 2}
 _ROPE_SM90 = {"tile_elems": 1024, "elems_per_warp": 512, "stream": True}
 
+# tiles chosen in the AOT check (`python -m kpt_triton.aot`, every conformance case), not timed: at
+# head dim 256 the portable forward's 32 x 32 keys in 8 warps spilled 24 bytes a thread (16 bits,
+# causal), its float32 16 x 32 41628; 4 warps and 16 x 16 spill none. Float32's backward at head dim
+# 128 in one stage (16 x 16, 8 warps): two stages spilled 12 bytes a thread with the causal mask
+_ATTENTION_FWD_SM90 = {"tiles": {256: Tiles(32, 32, 4, 2)}, "fp32_tiles": {256: Tiles(16, 16, 4, 2)}}
+
 SM90: Table = {
     "rms_norm_fwd": _ROW_SM90,
     "rms_norm_bwd": {"tile_elems": 16384, "elems_per_warp": 1024, "programs_per_sm": 1},
@@ -63,6 +69,10 @@ SM90: Table = {
     "rope_bwd": _ROPE_SM90,
     "cross_entropy_fwd": {"block_v": 16384, "elems_per_warp": 1024, "programs_per_sm": 4},
     "moe_gating_fwd": {"tile_elems": 1024, "num_warps": 4},
+    # 128 pairs of float32 rows copied 64 columns a step spilled 48 bytes a thread (AOT check), 32 none
+    "moe_dispatch_fwd": {"block_h": 32},
+    "attention_fwd": _ATTENTION_FWD_SM90,
+    "attention_bwd": {"fp32_tiles": {128: Tiles(16, 16, 8, 1)}},
     "linear_cross_entropy_fwd": {"block_v": 16384, "elems_per_warp": 1024},
     "linear_cross_entropy_bwd": {"block_v": 16384, "elems_per_warp": 1024},
     "quantize_fp8_fwd": {"tile_elems": 4096, "block": 8192, "elems_per_warp": 1024, "programs_per_sm": 4,
@@ -78,12 +88,14 @@ SM90_HBM3E: Table = {**SM90, "layer_norm_fwd": {"tile_elems": 4096, "elems_per_w
                      # 560 spilled bytes a thread); on an H200 (2026-11-28) 3.3-6.3x SDPA's best at the
                      # attention sweep's multi-query decode shapes, 1.3x the portable plan at B8 H32/8
                      # Sq8 Skv8192 (70.5 against 87.0 us). Not swept on an H100, which keeps the portable plan.
-                     "attention_fwd": {"decode": Decode(block_n=128, num_stages=3, programs_per_sm=1,
+                     "attention_fwd": {**_ATTENTION_FWD_SM90,
+                                       "decode": Decode(block_n=128, num_stages=3, programs_per_sm=1,
                                                         split_keys=512, wide_warps=8),
                                        # the forward's tiles where kpt-cuda runs it (`kpt_cuda.attention`): on an
                                        # H200 the best of 6-9 tiles at B4 H32 S4096 D128 and B8 H32 S1024 D64,
                                        # 1.5-2.3x the portable ones (D128 causal 393 against 252 TFLOP/s)
-                                       "tiles": {64: Tiles(128, 64, 8, 3), 128: Tiles(128, 128, 8, 3)},
+                                       "tiles": {**_ATTENTION_FWD_SM90["tiles"], 64: Tiles(128, 64, 8, 3),
+                                                 128: Tiles(128, 128, 8, 3)},
                                        # kpt's Hopper forward (`kpt_cuda.attention`), persistent, in L2 sections of
                                        # 16 MiB of K and V: on an H200 (2026-11-29) causal chunks 1.7-2.4x
                                        # FlashAttention-2 where its tiles fill half the SMs with 40 blocks of
@@ -126,6 +138,21 @@ _SPILLS_SM90 = {
     "_cross_entropy_kernel": "linear_cross_entropy's float32 chunk logits with a bfloat16 gradient, 16384-wide "
                              "chunks: 16 spilled bytes (AOT check); the block of the swept cross_entropy entry, not "
                              "swept on its own",
+    "_layer_norm_bwd_kernel": "16 warps a tile of 8192 (one row of 8192, 8 of 1024): 88-568 spilled bytes a thread "
+                              "(AOT check, 344 in 16 bits); kept, the tile of the seventh H100 sweep, measured with "
+                              "these spills (1787 -> 1260 us at 65536 x 8192, above)",
+    "_quantize_rows_kernel": "rows of 32 and 64 columns, 128 and 64 a tile in 4 warps: 8-176 spilled bytes a thread "
+                             "(AOT check); the swept entry's tile (0.241 -> 0.137 ms at the performance shape, above) "
+                             "spills none at the other widths (1 column, 128 to 8192)",
+    "_amax_kernel": "the per-tensor amax at rows of 1024 columns, 8 x 1024 tiles in 8 warps (16 bits): 16 spilled "
+                    "bytes a thread (AOT check); wider rows spill none; 32 elements a thread, the row path's swept "
+                    "value, which this pass shares",
+    "_grouped_mm_kernel": "float32 (a conformance dtype: IEEE dots on FMA units), 64 x 64 x 32 tiles in 4 warps: "
+                          "96-104 spilled bytes a thread (AOT check); 16 bits spill none (bfloat16 runs "
+                          "torch._grouped_mm where it can)",
+    "_attn_bwd_dkdv_kernel": "float32 (a conformance dtype, not a performance path): 8-40 spilled bytes a thread at "
+                             "head dims 16, 64 (causal or masked) and 256 (AOT check); smaller tiles spill more "
+                             "(16 x 16: 36-48 at head dim 64, 40-48 at 256 in 4 or 8 warps; one stage 8-76)",
 }
 
 SPILLS: dict[str, dict[str, str]] = {

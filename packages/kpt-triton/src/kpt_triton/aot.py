@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import re
 import subprocess
 import sys
@@ -189,11 +190,33 @@ def _specialization(launch: Launch, target: Target) -> tuple[Any, ...]:
     return launch.fn._pack_args(backend, kwargs, bound, specialization, options)
 
 
+def _keep_ptxas_report(backend: Any, stages: dict[str, Any], options: Any, language: Any, capability: Any) -> None:
+    """Triton's compile-stage hook: the report of Triton's own ``ptxas -v`` (printed where
+    ``knobs.nvidia.dump_ptxas_log`` is set) kept in the kernel's metadata as ``ptxas_report``, cached
+    with the kernel, so that reading registers and spills takes no second ptxas run."""
+    if "cubin" not in stages:
+        return
+    cubin = stages["cubin"]
+
+    def reported(src: str, metadata: dict[str, Any]) -> bytes:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            binary = cubin(src, metadata)
+        metadata["ptxas_report"] = printed.getvalue()
+        return binary
+
+    stages["cubin"] = reported
+
+
 def compile_one(launch: Launch, arch: str) -> Compiled:
     target = TARGETS[arch]
     options, signature, constexprs, attrs = _specialization(launch, target)
-    compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target.gpu,
-                              options=options.__dict__)
+    knobs = triton.knobs
+    with knobs.runtime.scope(), knobs.nvidia.scope():
+        knobs.runtime.add_stages_inspection_hook = _keep_ptxas_report
+        knobs.nvidia.dump_ptxas_log = True
+        compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target.gpu,
+                                  options=options.__dict__)
     name = launch.name
     names = launch.fn.arg_names
     shown = ",".join(f"{names[k[0]]}={v}" for k, v in constexprs.items()
@@ -207,14 +230,16 @@ def compile_one(launch: Launch, arch: str) -> Compiled:
         return Compiled(name, spec, f"{vgpr}v+{agpr}a/{sgpr}s",
                         int(meta["vgpr_spill_count"]) + int(meta["sgpr_spill_count"]), shared,
                         f"{occupancy.group(1)} waves/SIMD" if occupancy else "?", vgpr + agpr)
-    regs, spills = _ptxas(compiled.asm["ptx"], target)
+    # a kernel that Triton compiled and cached outside this check has no report: ptxas runs again
+    report = getattr(compiled.metadata, "ptxas_report", None) or _ptxas(compiled.asm["ptx"], target)
+    regs, spills = _resources(report)
     threads = options.num_warps * 32
     blocks = min(target.sm_registers // (-(-regs // 8) * 8 * threads), target.sm_shared // max(shared, 1), 32)
     return Compiled(name, spec, str(regs), spills, shared, f"{min(blocks * options.num_warps, 64)} warps/SM", regs)
 
 
-def _ptxas(ptx: str, target: Target) -> tuple[int, int]:
-    """Registers per thread and spilled bytes, from ptxas's report on the kernel's PTX."""
+def _ptxas(ptx: str, target: Target) -> str:
+    """ptxas's report (``-v``) on the kernel's PTX."""
     arch = target.gpu.arch
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src, tempfile.TemporaryDirectory() as out:
         src.write(ptx)
@@ -223,6 +248,11 @@ def _ptxas(ptx: str, target: Target) -> tuple[int, int]:
         ptxas = get_ptxas(arch).path
         log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}",
                               src.name, "-o", f"{out}/k.cubin"], capture_output=True, text=True, check=True).stderr
+    return log
+
+
+def _resources(log: str) -> tuple[int, int]:
+    """Registers per thread and spilled bytes, from a ptxas report."""
     used = re.search(r"Used (\d+) registers", log)
     if used is None:
         raise RuntimeError(f"ptxas -v reported no register count for the kernel:\n{log}")
