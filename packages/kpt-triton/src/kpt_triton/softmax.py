@@ -43,6 +43,7 @@ from .tiling import (
     edge_columns,
     nan_max,
     next_pow2,
+    row_launch,
     row_split,
     row_tiling,
     row_vector,
@@ -383,7 +384,8 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     if not (n_rows and d):
         return (y,)
     y3 = _as_3d(y, dim)
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
+    grid, options = row_launch(n_rows, d, max_block, tile_elems, elems_per_warp, False, chunk, STREAM=stream)
+    block_r, block_d = options["BLOCK_R"], options["BLOCK_D"]
     spans = _spans(x3, chunk, max_block)
     vec = _vector(x3, y3) if spans is not None or block_r == 1 else 1
     if spans is not None:
@@ -395,11 +397,7 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
     elif vec > 1:
         block, span, n_parts, num_warps, parts = block_d, d, 1, warps(block_d, elems_per_warp), None
     else:
-        _softmax_fwd_kernel[(cdiv(n_rows, block_r),)](
-            x3, y, n_rows, d, inner, *x3.stride(),
-            BLOCK_R=block_r, BLOCK_D=block_d, ONE_CHUNK=d <= block_d, STREAM=stream,
-            num_warps=warps(block_r * block_d, elems_per_warp),
-        )
+        _softmax_fwd_kernel.launch(grid, (x3, y, n_rows, d, inner, *x3.stride()), options)
         return (y,)
     _softmax_span_kernel[(n_rows, n_parts)](
         x3, x3, y, parts, d, *_row_strides(x3), 0, 0, *_row_strides(y3), span, BACKWARD=False, OWN_STATS=parts is None,

@@ -71,14 +71,15 @@ def row_tiling(d: int, *, max_block: int, tile_elems: int, chunk: int | None = N
 
 @functools.lru_cache(maxsize=4096)
 def row_launch(n_rows: int, d: int, max_block: int, tile_elems: int, elems_per_warp: int, statistics: bool = False,
-               **flags: Any) -> tuple[tuple[int], dict[str, Any]]:
+               chunk: int | None = None, **flags: Any) -> tuple[tuple[int], dict[str, Any]]:
     """The grid and keywords of a row kernel's launch (one tile of `row_tiling` a program) over
-    ``n_rows`` rows of ``d`` columns: ``BLOCK_R``, ``BLOCK_D``, ``ONE_CHUNK`` (``d <= BLOCK_D``),
-    ``num_warps`` (`warps`), the kernel's constexpr ``flags`` and, for a kernel that stores row
-    ``statistics``, `row_statistics_options`. Computed once per shape, tuning and flags: a
-    one-token launcher spent about 2 µs of host a call on them. The dict is shared by every
-    launch of the shape (`cached_launch.launch` reads it): nothing may modify it."""
-    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
+    ``n_rows`` rows of ``d`` columns (rows longer than ``max_block`` in chunks of ``chunk``):
+    ``BLOCK_R``, ``BLOCK_D``, ``ONE_CHUNK`` (``d <= BLOCK_D``), ``num_warps`` (`warps`), the
+    kernel's constexpr ``flags`` and, for a kernel that stores row ``statistics``,
+    `row_statistics_options`. Computed once per shape, tuning and flags: a one-token launcher
+    spent about 2 µs of host a call on them. The dict is shared by every launch of the shape
+    (`cached_launch.launch` reads it): nothing may modify it."""
+    block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
     options = {**flags, "BLOCK_R": block_r, "BLOCK_D": block_d, "ONE_CHUNK": d <= block_d,
                "num_warps": warps(block_r * block_d, elems_per_warp)}
     if statistics:
