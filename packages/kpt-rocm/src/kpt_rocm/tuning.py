@@ -28,7 +28,7 @@ LDS within the limits).
 
 from __future__ import annotations
 
-from kpt_triton.attention_tiles import Tiles
+from kpt_triton.attention_tiles import Decode, Tiles
 from kpt_triton.backend import Table
 
 ROW_LAUNCHERS = ("rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd",
@@ -67,7 +67,7 @@ _CDNA_ATTENTION = {
             64: Tiles(32, 64, 4, 1, _CDNA_FLASH), 128: Tiles(32, 32, 4, 1, _CDNA_FLASH),
             256: Tiles(16, 16, 4, 1, _CDNA_FLASH)},
     "fwd_fp32": {16: Tiles(32, 32, 4, 1), 32: Tiles(32, 32, 4, 1), 64: Tiles(16, 32, 4, 1),
-                 128: Tiles(32, 32, 4, 1), 256: Tiles(32, 32, 4, 1)},
+                 128: Tiles(32, 32, 4, 1), 256: Tiles(16, 16, 4, 1)},
     "bwd_fp32": {d: Tiles(16, 32, 4, 1) for d in (16, 32, 64, 128)} | {256: Tiles(16, 16, 4, 1)},
 }
 """In the AOT check on gfx942 (every conformance case): 8 waves at head dim 64 forward (4 spilled 4-6
@@ -75,8 +75,8 @@ VGPRs with the causal mask), 32 queries backward up to head dim 64 (64 spilled 7
 16 x 32 at head dim 32 (32 x 64 spilled 9-13 with a mask, 32 x 32 7-10), 16 x 16 at head dim 256 (16 x 32 spilled 31).
 Float32's dots run on FMA units, within 256 VGPRs a lane: 4 waves (8, the portable tiles', halve the
 registers of a lane: 2-564 spills), 32 keys forward and 16 queries at head dim 64 (32 spilled 17 with
-a mask), 16 queries backward (32 spilled 26-54 with a mask); `fit` shrinks the forward at head dim
-256 to the LDS."""
+a mask), 16 queries backward (32 spilled 26-54 with a mask); 16 x 16 at head dim 256 forward, what `fit`
+makes of 32 x 32 in gfx942's LDS (gfx950's 160 KiB kept 32 x 32, which spilled 4 VGPRs with the causal mask)."""
 
 _DISPATCH = {"moe_dispatch_fwd": {"block_pairs": 32, "block_e": 32, "block_h": 128}}
 """The dispatch's [pairs x experts] and [pairs x pairs] compares at the portable 128 x 128 spill on
@@ -89,7 +89,18 @@ CDNA: Table = {
     "attention_fwd": {"tiles": _CDNA_ATTENTION["fwd"], "fp32_tiles": _CDNA_ATTENTION["fwd_fp32"]},
     "attention_bwd": {"tiles": _CDNA_ATTENTION["bwd"], "fp32_tiles": _CDNA_ATTENTION["bwd_fp32"]},
 }
-"""Instinct MI210/MI250X (gfx90a) and MI300X/MI325X (gfx942): no OCP float8 in hardware."""
+"""Instinct MI300X/MI325X (gfx942), and the base of gfx90a's and gfx950's: no OCP float8 in hardware."""
+
+GFX90A: Table = {
+    **CDNA,
+    "attention_fwd": {**CDNA["attention_fwd"], "fp32_tiles": {**_CDNA_ATTENTION["fwd_fp32"], 32: Tiles(16, 32, 4, 1)},
+                      "decode": Decode(scores=2048)},
+    "quantize_fp8_fwd": {**CDNA["quantize_fp8_fwd"], "elems_per_warp": 4 * 64},
+}
+"""MI210/MI250X: CDNA, with what gfx90a's compiler spilled at CDNA's tiles in the AOT check (every case, none
+after): float32's forward at head dim 32 with a mask (32 x 32: 4 VGPRs; 16 x 32 as at head dim 64), the masked
+decode kernel at head dim 64 in 16 bits (16 rows x 64 keys: 2; half the scores a tile, so 32 keys), and
+quantize_fp8's rows of one column (4096 x 1 tiles, 8 elements a lane: 4; 4 a lane)."""
 
 GFX950: Table = {**CDNA, "fp8_linear_fwd": {**CDNA["fp8_linear_fwd"], "scaled_mm": True}}
 """Instinct MI355X: CDNA with OCP float8 matrix cores (and 160 KiB of LDS)."""
@@ -111,7 +122,7 @@ RDNA: Table = {
 }
 """Radeon RX 7900 (gfx1100) and RX 9070 (gfx1201): 32-lane waves."""
 
-TABLES: dict[str, Table] = {"gfx942": CDNA, "gfx950": GFX950, "gfx90a": CDNA, "gfx1100": RDNA, "gfx1201": RDNA}
+TABLES: dict[str, Table] = {"gfx942": CDNA, "gfx950": GFX950, "gfx90a": GFX90A, "gfx1100": RDNA, "gfx1201": RDNA}
 """By `kpt_rocm.device.gcn_arch` (and ``$KPT_ROCM_ARCH`` under the interpreter)."""
 
 _RDNA3_BWD = ("head dim 128 on RDNA3 spills at every tile tried in the AOT check (16x16 and 16x32 keys, 4 and "
