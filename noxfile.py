@@ -334,8 +334,8 @@ def _aot(session: nox.Session, targets: dict[str, tuple[str, ...]], *scope: str)
 @nox.session
 def aot(session: nox.Session) -> None:
     """CI's cut of the ahead-of-time compile: every conformance case's specialization of every kernel
-    for `AOT_CI` (gfx942: 265 s on 2 cores from an empty Triton cache, 70 s from a warm one), the
-    docs/performance.md shapes for the other targets (40-70 s each)."""
+    for `AOT_CI` (gfx942 and sm90), the docs/performance.md shapes for the other targets; 892 s on 2
+    shared cores from an empty Triton cache, install included (docs/backends/cuda.md)."""
     _install(session, "kpt-triton", "kpt-cuda", "kpt-rocm")
     _aot(session, AOT_CI)
     _aot(session, {b: tuple(a for a in archs if a not in AOT_CI.get(b, ())) for b, archs in AOT_TARGETS.items()},

@@ -85,3 +85,15 @@ def test_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(aot.triton.knobs.runtime, "interpret", True)
     with pytest.raises(SystemExit, match="unset TRITON_INTERPRET"):
         aot.check("rocm", "gfx942", 1)
+
+
+def test_the_ptxas_report_triton_prints_is_kept_in_the_metadata_and_read():
+    report = ("ptxas info    : Function properties for k\n    0 bytes stack frame, 24 bytes spill stores, "
+              "16 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers\n")
+    stages = {"ptx": None, "cubin": lambda src, metadata: print(report) or b"cubin"}
+    aot._keep_ptxas_report(None, stages, None, None, 90)
+    metadata = {}
+    assert stages["cubin"]("ptx", metadata) == b"cubin"
+    assert aot._resources(metadata["ptxas_report"]) == (255, 40)
+    with pytest.raises(RuntimeError, match="no register count"):
+        aot._resources("ptxas info    : 0 bytes gmem\n")
