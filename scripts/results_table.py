@@ -60,10 +60,13 @@ def bench_rows(data: dict) -> list[str]:
         result = run["result"]
         for kernel, worst in result["worst"].items():
             mine = {**result, "results": [r for r in result["results"] if r["kernel"] == kernel]}
-            median = statistics.median(ratios(mine)) if ratios(mine) else float("nan")
+            if worst["ratio"] is None:  # nothing timed: every shape skipped or wrong
+                cells = f"– | – ({worst.get('skipped', 0)} skipped, {worst['wrong']} wrong)"
+            else:
+                cells = (f"{statistics.median(ratios(mine)):.2f}× | {worst['ratio']:.3f}× ({worst['mode']}, "
+                         f"{worst['case']}, against {worst['peer']})")
             rows.append(
-                f"| {kernel} | {result['sweep']} ({result['timing']}) | {worst['timings']} | {median:.2f}× | "
-                f"{worst['ratio']:.3f}× ({worst['mode']}, {worst['case']}, against {worst['peer']}) | "
+                f"| {kernel} | {result['sweep']} ({result['timing']}) | {worst['timings']} | {cells} | "
                 f"{result['timestamp'][:10]}, `{run['commit'][:8]}` |"
             )
     return rows
