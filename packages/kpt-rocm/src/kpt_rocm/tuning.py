@@ -107,20 +107,37 @@ GFX950: Table = {**CDNA, "fp8_linear_fwd": {**CDNA["fp8_linear_fwd"], "scaled_mm
 
 _RDNA_ATTENTION = {
     "fwd": {16: Tiles(64, 64, 4, 1), 32: Tiles(64, 64, 4, 1), 64: Tiles(64, 64, 4, 1), 128: Tiles(64, 32, 4, 1),
-            256: Tiles(32, 32, 4, 1)},
+            256: Tiles(16, 16, 16, 1)},
     "bwd": {16: Tiles(32, 32, 4, 1), 32: Tiles(32, 32, 4, 1), 64: Tiles(32, 32, 4, 1), 128: Tiles(16, 16, 4, 1),
             256: Tiles(16, 16, 4, 1)},
+    "fwd_fp32": {16: Tiles(16, 32, 8, 1), 32: Tiles(16, 32, 8, 1), 64: Tiles(16, 16, 8, 1), 128: Tiles(16, 16, 8, 1),
+                 256: Tiles(16, 16, 8, 1)},
 }
 """RDNA has no asynchronous copies to pipeline (one stage) and, at head dim 128, half the
-portable key tile: the portable tiles spilled 11-477 registers in the AOT check."""
+portable key tile: the portable tiles spilled 11-477 registers in the AOT check. A 32-lane wave
+has 256 VGPRs a lane, half a CDNA lane's with its AGPRs, so the tiles hold half as much a lane
+(gfx1100, AOT check at every case): head dim 256 forward in 16 x 16 and 16 waves (32 x 32 in 4
+spilled 114-125 VGPRs with the causal mask, 16 x 16 in 4 66-96); float32's forward in 8 waves of
+16 queries, 32 keys up to head dim 32 and 16 from 64 (the portable 32 x 64 and 32 x 32 in 8 spilled
+33-319, 16 x 32 at head dim 128 241). Float32 at head dim 256 spills at the smallest tile (16 x 16:
+562, 156 and 163 VGPRs in 4, 8 and 16 waves): accepted in `SPILLS` with 8."""
+
+_RDNA_DECODE = Decode(num_warps=8, scores=2048)
+"""The decode kernel in 8 waves and at most 2048 scores a tile (512 with a mask): in 4 waves of 32
+lanes 128 rows x 64 keys spilled 88-128 VGPRs on gfx1100 and 64 x 64 3-9; in 8, 128 x 64 spilled none
+but masked tiles did from 1024 scores (16 x 64: 1, 64 x 32: 4, 64 x 64: 30-102)."""
 
 RDNA: Table = {
     **_lanes(32),
     **_DISPATCH,
-    "attention_fwd": {"tiles": _RDNA_ATTENTION["fwd"]},
+    "attention_fwd": {"tiles": _RDNA_ATTENTION["fwd"], "fp32_tiles": _RDNA_ATTENTION["fwd_fp32"],
+                      "decode": _RDNA_DECODE},
     "attention_bwd": {"tiles": _RDNA_ATTENTION["bwd"]},
+    # an order of 128 rows inverted in one program of 4 waves (a 128 x 128 compare) spilled 27 VGPRs in
+    # `_combine_dweights_kernel` (gfx1100); 64 rows at most, longer orders inverted in their own launch
+    "moe_combine_bwd": {"one_block": 64},
 }
-"""Radeon RX 7900 (gfx1100) and RX 9070 (gfx1201): 32-lane waves."""
+"""Radeon RX 7900 (gfx1100, RDNA3) and RX 9070 (gfx1201, RDNA4): 32-lane waves."""
 
 TABLES: dict[str, Table] = {"gfx942": CDNA, "gfx950": GFX950, "gfx90a": GFX90A, "gfx1100": RDNA, "gfx1201": RDNA}
 """By `kpt_rocm.device.gcn_arch` (and ``$KPT_ROCM_ARCH`` under the interpreter)."""
@@ -131,6 +148,10 @@ _RDNA3_BWD = ("head dim 128 on RDNA3 spills at every tile tried in the AOT check
 
 SPILLS: dict[str, dict[str, str]] = {
     "gfx1100": {"_attn_bwd_dkdv_kernel": _RDNA3_BWD.format(123, 172),
-                "_attn_bwd_dq_kernel": _RDNA3_BWD.format(47, 257)},
+                "_attn_bwd_dq_kernel": _RDNA3_BWD.format(47, 257),
+                "_attn_fwd_kernel": "float32 at head dim 256 only (a conformance dtype, not a performance path): "
+                                    "the smallest tile, 16 x 16, spilled 562, 156 and 163 VGPRs in 4, 8 and 16 "
+                                    "waves in the AOT check (causal); 8 waves spill least; every other forward "
+                                    "spills none"},
 }
 """Register spills accepted per arch, by Triton kernel name, with the reason."""
