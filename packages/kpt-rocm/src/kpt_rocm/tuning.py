@@ -137,21 +137,46 @@ RDNA: Table = {
     # `_combine_dweights_kernel` (gfx1100); 64 rows at most, longer orders inverted in their own launch
     "moe_combine_bwd": {"one_block": 64},
 }
-"""Radeon RX 7900 (gfx1100, RDNA3) and RX 9070 (gfx1201, RDNA4): 32-lane waves."""
+"""Radeon RX 7900 (gfx1100, RDNA3), and the base of RX 9070's (gfx1201, RDNA4): 32-lane waves."""
 
-TABLES: dict[str, Table] = {"gfx942": CDNA, "gfx950": GFX950, "gfx90a": GFX90A, "gfx1100": RDNA, "gfx1201": RDNA}
+RDNA4: Table = {
+    **RDNA,
+    "attention_bwd": {
+        "tiles": {**_RDNA_ATTENTION["bwd"], **{d: Tiles(32, 32, 8, 1) for d in (16, 32, 64)},
+                  256: Tiles(16, 16, 16, 1)},
+        "fp32_tiles": {**{d: Tiles(16, 16, 8, 1) for d in (16, 32, 64)}, 128: Tiles(16, 16, 16, 1),
+                       256: Tiles(16, 16, 16, 1)},
+    },
+}
+"""RX 9070 (gfx1201): RDNA, with a backward that gfx1201's compiler spilled at RDNA3's tiles in the AOT check
+(every case): 32 x 32 in 8 waves up to head dim 64 (4: 10 VGPRs with the causal mask), 16 x 16 in 16 at head
+dim 256 (in 4: 62-211, in 8: 13-128); float32 in 16 x 16, one stage, in 8 waves up to head dim 64 (the portable
+16 x 32 in 4, two stages: 10-658; none in 16 x 16 and 8) and in 16 from head dim 128, where every tile spills
+(`SPILLS`)."""
+
+TABLES: dict[str, Table] = {"gfx942": CDNA, "gfx950": GFX950, "gfx90a": GFX90A, "gfx1100": RDNA, "gfx1201": RDNA4}
 """By `kpt_rocm.device.gcn_arch` (and ``$KPT_ROCM_ARCH`` under the interpreter)."""
 
 _RDNA3_BWD = ("head dim 128 on RDNA3 spills at every tile tried in the AOT check (16x16 and 16x32 keys, 4 and "
               "8 waves: {} to {} spills); 16x16 in 4 waves spills least; correct, its speed not yet measured on "
               "hardware")
 
+_RDNA_FP32_FWD = ("float32 at head dim 256 only (a conformance dtype, not a performance path): the smallest tile, "
+                  "16 x 16, spilled 562, 156 and 163 VGPRs in 4, 8 and 16 waves in the AOT check on gfx1100 (causal; "
+                  "156 in 8 on gfx1201); 8 waves spill least; every other forward spills none")
+
+_RDNA4_BWD = ("float32 (a conformance dtype, not a performance path) from head dim 128 on spills at the smallest tile, "
+              "16 x 16, in the AOT check: at head dim 128 dk/dv 80-104 VGPRs, dq 165-168 in 16 waves (in 8: 140-159 "
+              "and 184-187, in 4: 423-471), at 256 dk/dv 466, dq 588 (in 8: 449 and 644, in 4: 1119 and 1263)"
+              "{dkdv}; 16 waves spill least; every other backward spills none")
+
 SPILLS: dict[str, dict[str, str]] = {
     "gfx1100": {"_attn_bwd_dkdv_kernel": _RDNA3_BWD.format(123, 172),
                 "_attn_bwd_dq_kernel": _RDNA3_BWD.format(47, 257),
-                "_attn_fwd_kernel": "float32 at head dim 256 only (a conformance dtype, not a performance path): "
-                                    "the smallest tile, 16 x 16, spilled 562, 156 and 163 VGPRs in 4, 8 and 16 "
-                                    "waves in the AOT check (causal); 8 waves spill least; every other forward "
-                                    "spills none"},
+                "_attn_fwd_kernel": _RDNA_FP32_FWD},
+    "gfx1201": {"_attn_bwd_dkdv_kernel": _RDNA4_BWD.format(dkdv="; 16 bits at head dim 256: 92-100 in 16 waves, "
+                                                                "187-211 in 4"),
+                "_attn_bwd_dq_kernel": _RDNA4_BWD.format(dkdv=""),
+                "_attn_fwd_kernel": _RDNA_FP32_FWD},
 }
 """Register spills accepted per arch, by Triton kernel name, with the reason."""
