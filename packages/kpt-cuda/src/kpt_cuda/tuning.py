@@ -125,6 +125,13 @@ SM80: Table = {
     "softmax_fwd": _ROW_SM80,
     "softmax_bwd": _ROW_SM80,
     "cross_entropy_fwd": {"block_v": 8192, "elems_per_warp": 512},
+    # chosen in the AOT check at every conformance case (sm80), not timed: the dispatch's 128 pairs copied 64
+    # columns a step spilled 16-168 bytes a thread (32: none); the decode kernel at head dim 80, 16 rows x 64 keys
+    # in 4 warps, 8 (8 warps: none); the dk/dv kernel at head dim 64 in 32 x 64 tiles 12-392 (16 bits; 32 x 32:
+    # 12 with the causal mask)
+    "moe_dispatch_fwd": {"block_h": 32},
+    "attention_fwd": {"decode": Decode(num_warps=8)},
+    "attention_bwd": {"tiles": {64: Tiles(32, 32, 4, 2)}},
     "fp8_linear_fwd": {"scaled_mm": False},
 }
 
