@@ -14,7 +14,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
 from kpt_cuda import attention, tuning
-from kpt_triton.aot import TARGETS, _ptxas
+from kpt_triton.aot import TARGETS, _ptxas, _resources
 
 causal, dtype, sq, skv = sys.argv[1] == "True", getattr(torch, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 target = TARGETS["sm90"].gpu
@@ -34,6 +34,6 @@ bound, specialization, options = create_function_from_signature(fn.signature, fn
 options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
 compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 ptx = compiled.asm["ptx"]
-registers, spills = _ptxas(ptx, TARGETS["sm90"])
+registers, spills = _resources(_ptxas(ptx, TARGETS["sm90"]))
 print(json.dumps({"registers": registers, "spills": spills, "shared": compiled.metadata.shared,
                   "setmaxnreg": ptx.count("setmaxnreg")}))

@@ -76,6 +76,11 @@ PORTABLE_WAVES = 3
 """Waves of query tiles over the multiprocessors from which a long causal chunk runs the portable
 kernel with the arch's tiles rather than FlashAttention-2."""
 
+PORTABLE_HEAD_DIMS = (64, 128)
+"""The head dims at which the portable forward with the arch's tiles was timed against
+FlashAttention-2 (the rule above). An arch's tiles at other head dims only keep the compile within
+its registers (head dim 256 on sm90): they route nothing away from the library."""
+
 WS_HEAD_DIM = 128
 """The head dimension of the warp-specialized forward (at 64 it measured slower than cuDNN)."""
 WS_ROWS = 64
@@ -148,7 +153,8 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
         return "cudnn"
     if skv % 8 == 0 and sq * _band_width(skv) <= MAX_MASK_ELEMENTS:
         return "cudnn-mask"
-    hopper = (tiles or {}).get(max(16, next_pow2(d)))
+    padded = max(16, next_pow2(d))
+    hopper = (tiles or {}).get(padded) if padded in PORTABLE_HEAD_DIMS else None
     if hopper is not None and b * hq * -(-sq // hopper.block_m) >= PORTABLE_WAVES * _multiprocessors(q.device):
         return None
     return "flash"
