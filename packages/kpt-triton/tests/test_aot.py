@@ -97,3 +97,5 @@ def test_the_ptxas_report_triton_prints_is_kept_in_the_metadata_and_read():
     assert aot._resources(metadata["ptxas_report"]) == (255, 40)
     with pytest.raises(RuntimeError, match="no register count"):
         aot._resources("ptxas info    : 0 bytes gmem\n")
+    key, digest = aot._keep_ptxas_report()  # Triton 3.9 first asks for the hook's cache key
+    assert key and len(digest) == 64

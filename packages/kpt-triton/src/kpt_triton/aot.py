@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import io
 import re
@@ -190,12 +191,19 @@ def _specialization(launch: Launch, target: Target) -> tuple[Any, ...]:
     return launch.fn._pack_args(backend, kwargs, bound, specialization, options)
 
 
-def _keep_ptxas_report(backend: Any, stages: dict[str, Any], options: Any, language: Any, capability: Any) -> None:
+_HOOK_KEY = "kpt_triton.aot: ptxas report kept in the metadata"
+
+
+def _keep_ptxas_report(backend: Any = None, stages: dict[str, Any] | None = None, options: Any = None,
+                       language: Any = None, capability: Any = None) -> tuple[str, str] | None:
     """Triton's compile-stage hook: the report of Triton's own ``ptxas -v`` (printed where
     ``knobs.nvidia.dump_ptxas_log`` is set) kept in the kernel's metadata as ``ptxas_report``, cached
-    with the kernel, so that reading registers and spills takes no second ptxas run."""
+    with the kernel, so that reading registers and spills takes no second ptxas run. Called with no
+    arguments (Triton 3.9 does so first), it returns its part of the cache key and that part's hash."""
+    if stages is None:
+        return _HOOK_KEY, hashlib.sha256(_HOOK_KEY.encode()).hexdigest()
     if "cubin" not in stages:
-        return
+        return None
     cubin = stages["cubin"]
 
     def reported(src: str, metadata: dict[str, Any]) -> bytes:
@@ -206,6 +214,7 @@ def _keep_ptxas_report(backend: Any, stages: dict[str, Any], options: Any, langu
         return binary
 
     stages["cubin"] = reported
+    return None
 
 
 def compile_one(launch: Launch, arch: str) -> Compiled:
