@@ -4,6 +4,7 @@ rewrite the contract, and what the registry makes of each."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import textwrap
 import threading
@@ -145,6 +146,15 @@ def test_a_plugin_ending_its_import_any_way_is_recorded(site: Site, body: str, e
 
 
 def test_a_real_ctrl_c_during_a_plugin_import_is_the_users(site: Site) -> None:
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell's background job ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _a_real_ctrl_c_is_the_users(site)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _a_real_ctrl_c_is_the_users(site: Site) -> None:
     site.install("slow", {"slow": "slow_plugin"}, {"slow_plugin": """
         import os, signal, time
         os.kill(os.getpid(), signal.SIGINT)
