@@ -45,12 +45,21 @@ def ratios(result: dict) -> list[float]:
     """Each timing's ratio to the fastest peer (eager, compile, the libraries): above 1, kpt is faster."""
     out = []
     for row in result["results"]:
-        ms = row.get("ms") or {}
-        peers = [v for k, v in ms.items() if k != "backend" and v]
-        peers += [v for v in (row.get("libraries") or {}).values() if v]
+        ms, peers = row.get("ms") or {}, peer_ms(row)
         if ms.get("backend") and peers and not row.get("wrong") and not row.get("skipped"):
-            out.append(min(peers) / ms["backend"])
+            out.append(min(peers.values()) / ms["backend"])
     return out
+
+
+def peer_ms(row: dict) -> dict[str, float]:
+    """A timing's peers by name (eager, compile, each library; "library" where only the fastest was
+    kept) and their milliseconds."""
+    ms = row.get("ms") or {}
+    peers = {k: v for k, v in ms.items() if k not in ("backend", "library") and v}
+    peers |= {k: v for k, v in (row.get("libraries") or {}).items() if v}
+    if not peers and ms.get("library"):
+        peers["library"] = ms["library"]
+    return peers
 
 
 def bench_rows(data: dict) -> list[str]:
@@ -145,11 +154,7 @@ def device_page(device: str, data: dict) -> str:
                 "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for row in result["results"]:
-                ms = row.get("ms") or {}
-                peers = {k: v for k, v in ms.items() if k not in ("backend", "library") and v}
-                peers |= {k: v for k, v in (row.get("libraries") or {}).items() if v}
-                if not peers and ms.get("library"):
-                    peers["library"] = ms["library"]
+                ms, peers = row.get("ms") or {}, peer_ms(row)
                 if not ms.get("backend") or not peers:
                     continue
                 best = min(peers, key=peers.__getitem__)
