@@ -347,6 +347,75 @@ def test_held_out_reports_smape() -> None:
     assert got["latency_cycles"] <= 16 and got["interval"] <= 10 and got["dsp"] <= 8, got
 
 
+_TUTORIAL_ESTIMATES = {
+    "model_1": (15, 1, 1562, 75905, 18119, 4),
+    "model_2": (13, 1, 808, 23561, 5871, 4),
+    "model_3": (11, 1, 35, 24895, 8068, 4),
+}
+"""calibration.QUANTITIES of the three hls4ml-tutorial reports as estimated from their trained
+weights, recorded before those files were replaced by the histograms of `published_weights`."""
+
+
+def test_histograms_give_the_trained_weights_estimates() -> None:
+    reports = {r.path.split("/")[0]: r for r in calibration.REPORTS if r.weights}
+    assert set(reports) == set(_TUTORIAL_ESTIMATES)
+    for key, rep in reports.items():
+        est = calibration.estimate(rep)
+        assert tuple(getattr(est, q) for q in calibration.QUANTITIES) == _TUTORIAL_ESTIMATES[key], key
+        if rep.zeros:
+            # the weights parameters.h states pruned, and in model_2's second layer three small
+            # ones that truncate to 0 in the weight type
+            zeros = [int((w == 0).sum()) for w in calibration.published_weights(rep.weights).values()]
+            more = [z - n for z, n in zip(zeros, rep.zeros, strict=True)]
+            assert more == ([0, 3, 0, 0] if key == "model_2" else [0, 0, 0, 0]), key
+
+
+def test_estimate_reads_the_value_histogram_and_fan_in_only() -> None:
+    rep = next(r for r in calibration.REPORTS if r.weights == "hls4ml-tutorial_model_2.hist")   # pruned
+    build, shape = calibration.MODELS[rep.model]
+    weights = calibration.published_weights(rep.weights)
+
+    def cost(layout: dict[str, torch.Tensor]) -> network.NetworkReport:
+        model = build().eval()
+        with torch.no_grad():
+            for name, w in layout.items():
+                model.get_submodule(name).weight.copy_(w)
+                model.get_submodule(name).bias.zero_()
+        return calibration._estimate(model, shape, rep)
+
+    base = cost(weights)
+    g = _gen()
+    # the nonzero values moved between outputs, each output keeping its count, and then between inputs
+    mixed = {}
+    for name, w in weights.items():
+        moved = torch.zeros_like(w)
+        moved[w != 0] = w[w != 0][torch.randperm(int((w != 0).sum()), generator=g)]
+        mixed[name] = torch.stack([row[torch.randperm(len(row), generator=g)] for row in moved])
+    assert cost(mixed) == base
+    # every entry shuffled: the outputs' counts of nonzero weights change, and so do their adder trees
+    g = torch.Generator().manual_seed(0)
+    shuffled = {name: w.flatten()[torch.randperm(w.numel(), generator=g)].reshape(w.shape)
+                for name, w in weights.items()}
+    assert any(not torch.equal((shuffled[n] != 0).sum(1), (w != 0).sum(1)) for n, w in weights.items())
+    changed = cost(shuffled)
+    assert changed.dsp == base.dsp and (changed.latency_cycles, changed.ff) != (base.latency_cycles, base.ff)
+
+
+def test_histogram_file() -> None:
+    w = calibration.weights_from_histograms("# two outputs\nlayer 0 2 2 3\nfan_in 1 2\nvalues -4:1 0:1 8:2\n")["0"]
+    assert w.shape == (2, 2) and sorted(w.flatten().tolist()) == [-0.5, 0.0, 1.0, 1.0]
+    assert (w != 0).sum(1).tolist() == [1, 2]
+    for bad, message in [("layer 0 2 2 3 values 0:4", "expected 'layer"),
+                         ("layer 0 2 2 3 fan_in 1 values 0:4", "expected 2 fan-in counts"),
+                         ("layer 0 2 2 3 fan_in 1 2 values 0:1 8:2 8:1", "distinct '<integer>:<count>'"),
+                         ("layer 0 2 2 3 fan_in 1 2 values 0:1 8=3", "distinct '<integer>:<count>'"),
+                         ("layer 0 2 2 3 fan_in 1 2 values 0:1 8:2", "do not fill a 2 x 2"),
+                         ("layer 0 2 2 3 fan_in 1 1 values 0:1 8:3", "do not fill a 2 x 2"),
+                         ("layer 0 2 2 3 fan_in 3 1 values 8:4", "do not fill a 2 x 2")]:
+        with pytest.raises(ValueError, match=message):
+            calibration.weights_from_histograms(bad, "bad.hist")
+
+
 def test_calibrate_cli(capsys) -> None:
     from kpt_fpga_sim.__main__ import main
     assert main(["calibrate"]) == 0

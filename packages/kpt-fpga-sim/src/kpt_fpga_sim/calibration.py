@@ -5,9 +5,12 @@ path): the summary's latency and interval (cycles; the worst case where it gives
 its utilization totals. The model
 (architecture, precision, reuse factor, strategy, io type, part, clock) is the one the report's
 project was built from. A constant multiply's hardware depends on the weight
-(`kpt_fpga_sim.multipliers`), so the estimate takes the design's own weights where its project
-publishes them (``weights``: a file of `kpt_fpga_sim/published`, the trained weights in the
-design's weight type). Elsewhere it draws them Glorot-uniform (seeded): Keras's default
+(`kpt_fpga_sim.multipliers`), so where the design's project publishes its trained weights the
+estimate takes their statistics (``weights``: a file of `kpt_fpga_sim/published` holding, per
+layer, a histogram of the weight values in the design's weight type and the number of nonzero
+weights of each output; the weights themselves are not redistributed). `published_weights` lays
+these out as a weight tensor, and the estimate is exactly the one the trained weights give:
+it reads no more of them. Elsewhere it draws them Glorot-uniform (seeded): Keras's default
 initializer, which hls4ml's test model keeps untrained; a trained network with many near-zero
 weights needs fewer DSPs than that, a quantization-aware trained one more (its weights spread
 over the few levels of its type). A pruned design's report project states how many weights of
@@ -103,7 +106,8 @@ class Published:
     held_out: bool = False
     """Not used when the model's constants were chosen."""
     weights: str = ""
-    """The file of `kpt_fpga_sim/published` with the design's weights (empty: Glorot-uniform)."""
+    """The file of `kpt_fpga_sim/published` with the statistics of the design's weights
+    (`published_weights`; empty: Glorot-uniform)."""
 
     @property
     def name(self) -> str:
@@ -123,7 +127,7 @@ REPORTS = (
               "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
               "xcu250-figd2104-2L-e", 200.0,
               {"latency_cycles": 13, "interval": 1, "dsp": 1520, "lut": 85140, "ff": 11100, "bram18": 4},
-              weights="hls4ml-tutorial_model_1.txt"),
+              weights="hls4ml-tutorial_model_1.hist"),
     Published("fastmachinelearning/hls4ml", "9d6e76efe7373d4bac58b0200f8a3986de696505",
               "test/pytest/test_report/Vivado/myproject_csynth.rpt",
               "Vivado HLS 2020.1", "dense 16-5 + relu", "ap_fixed<16,6>", 1, "latency", "stream",
@@ -141,14 +145,14 @@ REPORTS = (
               "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
               "xcu250-figd2104-2L-e", 200.0,
               {"latency_cycles": 11, "interval": 1, "dsp": 803, "lut": 30204, "ff": 5734, "bram18": 4},
-              zeros=(767, 1536, 768, 120), held_out=True, weights="hls4ml-tutorial_model_2.txt"),
+              zeros=(767, 1536, 768, 120), held_out=True, weights="hls4ml-tutorial_model_2.hist"),
     Published("Hector-Plata/hls4ml-tutorial", "4ac4f07a0edf530cde74aec53610e1e22a6ecc2d",
               "model_3/hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
               "Vivado HLS 2019.2", "jet-tagging MLP 16-64-32-32-5", "ap_fixed<16,6>", 1, "latency", "parallel",
               "xcu250-figd2104-2L-e", 200.0,
               {"latency_cycles": 10, "interval": 1, "dsp": 28, "lut": 32227, "ff": 3045, "bram18": 4},
               zeros=(777, 1616, 796, 120), layers=_QKERAS_MLP, held_out=True,
-              weights="hls4ml-tutorial_model_3.txt"),
+              weights="hls4ml-tutorial_model_3.hist"),
     # reuse 16 as configured (latency strategy), 40 MHz
     Published("pominiq/DNNonSilicon", "c28e4f1689d3b0259290c3e02abf7db3d4b2296c",
               "hls4ml_prj/myproject_prj/solution1/syn/report/myproject_csynth.rpt",
@@ -191,26 +195,75 @@ REPORTS = (
 )
 
 
+HISTOGRAM_SEED = 0
+"""The seed of the order in which `published_weights` lays out a histogram's values."""
+
+
 def published_weights(name: str) -> dict[str, torch.Tensor]:
-    """The weights in file ``name`` of `kpt_fpga_sim/published`: module name -> weight in torch's
-    layout (out, in), float64, exactly the design's fixed-point values."""
-    text = (resources.files(__package__) / "published" / name).read_text()
+    """Weights with the statistics in file ``name`` of `kpt_fpga_sim/published`: module name ->
+    weight in torch's layout (out, in), float64, values exactly the design's fixed-point ones.
+
+    The file holds, per layer, how many weights take each value and how many nonzero weights feed
+    each output, not the weights themselves. That is all `estimate_model` reads of a
+    constant-weight layer: its multipliers are costed weight by weight and summed over the layer,
+    and the adder tree of each output depends on how many nonzero weights it sums. Each output gets
+    its count of nonzero values, taken in turn from the nonzero values in a seeded random order
+    (`HISTOGRAM_SEED`), at seeded random inputs. Any other layout with the same statistics gives
+    the same estimate.
+    """
+    return weights_from_histograms((resources.files(__package__) / "published" / name).read_text(), name)
+
+
+def weights_from_histograms(text: str, name: str = "histograms") -> dict[str, torch.Tensor]:
+    """`published_weights` of the text of a histogram file (``name`` labels its errors)."""
     words = " ".join(line for line in text.splitlines() if not line.startswith("#")).split()
     out: dict[str, torch.Tensor] = {}
     i = 0
     while i < len(words):
-        if words[i] != "layer":
-            raise ValueError(f"{name}: expected 'layer' at word {i}, got {words[i]!r}")
-        module, n_in, n_out, frac = words[i + 1], int(words[i + 2]), int(words[i + 3]), int(words[i + 4])
-        raw = torch.tensor([int(w) for w in words[i + 5:i + 5 + n_in * n_out]], dtype=torch.float64)
-        out[module] = (raw / 2.0**frac).reshape(n_in, n_out).T
-        i += 5 + n_in * n_out
+        head = words[i:i + 6]
+        if len(head) < 6 or head[0] != "layer" or head[5] != "fan_in" or not all(w.isdigit() for w in head[2:5]):
+            raise ValueError(f"{name}: expected 'layer <module> <n_in> <n_out> <fractional bits> fan_in' "
+                             f"at word {i}, got {' '.join(head)!r}")
+        module, n_in, n_out, frac = head[1], int(head[2]), int(head[3]), int(head[4])
+        fan_in = [int(w) for w in words[i + 6:i + 6 + n_out] if w.isdigit()]
+        i += 6 + n_out
+        if len(fan_in) != n_out or i >= len(words) or words[i] != "values":
+            raise ValueError(f"{name}: layer {module}: expected {n_out} fan-in counts, then 'values'")
+        counts: dict[int, int] = {}
+        i += 1
+        while i < len(words) and words[i] != "layer":
+            value, _, count = words[i].partition(":")
+            if not value.lstrip("-").isdigit() or not count.isdigit() or int(value) in counts:
+                raise ValueError(f"{name}: layer {module}: expected distinct '<integer>:<count>' pairs, "
+                                 f"got {words[i]!r}")
+            counts[int(value)] = int(count)
+            i += 1
+        if sum(counts.values()) != n_in * n_out or n_in * n_out - counts.get(0, 0) != sum(fan_in) \
+                or max(fan_in, default=0) > n_in:
+            raise ValueError(f"{name}: layer {module}: {sum(counts.values())} values with fan-in counts "
+                             f"summing to {sum(fan_in)} (at most {n_in} each) do not fill a {n_out} x {n_in} weight")
+        out[module] = _layout(counts, fan_in, n_in) / 2.0**frac
     return out
 
 
+def _layout(counts: dict[int, int], fan_in: list[int], n_in: int) -> torch.Tensor:
+    """An (out, in) tensor with ``counts[v]`` entries of each value v and ``fan_in[o]`` nonzero
+    entries in row o (see `published_weights`)."""
+    g = torch.Generator().manual_seed(HISTOGRAM_SEED)
+    nonzero = torch.tensor([v for v, c in sorted(counts.items()) if v for _ in range(c)], dtype=torch.float64)
+    nonzero = nonzero[torch.randperm(len(nonzero), generator=g)]
+    raw = torch.zeros(len(fan_in), n_in, dtype=torch.float64)
+    start = 0
+    for row, n in enumerate(fan_in):
+        raw[row, torch.randperm(n_in, generator=g)[:n]] = nonzero[start:start + n]
+        start += n
+    return raw
+
+
 def estimate(report: Published, seed: int = 0) -> NetworkReport:
-    """`estimate_model` on the report's model and settings, with the design's published weights
-    (``report.weights``) or Glorot-uniform ones from ``seed``; biases zero."""
+    """`estimate_model` on the report's model and settings, with weights laid out from the
+    statistics of the design's published ones (``report.weights``) or Glorot-uniform ones from
+    ``seed``; biases zero."""
     build, shape = MODELS[report.model]
     model = build().eval()
     if report.weights:
