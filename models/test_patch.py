@@ -9,6 +9,7 @@ machine: `nox -s models` sets TRITON_INTERPRET=1; without it the cuda case fails
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,12 +45,15 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, atol=TOL.atol, rtol=TOL.rtol, msg=lambda m: f"{what}: {m}")
 
 
-def step(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits (no labels), loss (labels), gradients; then one SGD step."""
-    logits = model(tokens).logits
-    loss = model(tokens, labels=tokens).loss
+def step(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+         **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits (no labels), loss (``labels``, the tokens unless given), gradients; then one SGD step.
+    ``batch``: more arguments of both calls (``attention_mask``)."""
+    logits = model(tokens, **batch).logits
+    loss = model(tokens, labels=tokens if labels is None else labels, **batch).loss
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # a compiled model names its parameters after the module it wraps (``_orig_mod.``)
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     # SGD: Adam would divide the near-zero gradients by their own size, amplifying their rounding
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     return logits.detach(), loss.detach(), grads
@@ -236,3 +240,141 @@ def test_a_saved_checkpoint_loads_into_the_patched_model(tmp_path: Path) -> None
     assert again.state_dict().keys() == hf.state_dict().keys()
     with torch.no_grad():
         close(again(tokens).logits, hf(tokens).logits, "logits after saving the patched model")
+
+
+def padded(side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, their 2-D attention mask and labels: rows of 9 and 5 real tokens, padded on ``side``.
+
+    The labels ignore padding and each token right after it: the position that predicts that
+    token is a padding query, which (left padding) sees no key and which transformers' own
+    implementations compute differently (``sdpa``: zeros, as kpt; ``eager`` or a ``finfo.min``
+    mask: its attention spread over every key)."""
+    tokens = torch.randint(1, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
+    real = torch.ones_like(tokens, dtype=torch.bool)
+    if side == "left":
+        real[1, :4] = False
+    else:
+        real[1, 5:] = False
+    tokens = tokens.masked_fill(~real, 0)
+    return tokens, real.long(), tokens.masked_fill(~(real & real.roll(1, -1)), -100)
+
+
+def additive(real: torch.Tensor, masked: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 4-D additive mask of causal attention and key padding, as a user gives it to the model
+    (and as transformers' ``eager`` masks are, with ``masked`` = ``torch.finfo(dtype).min``): 0 where a
+    query attends a key, ``masked`` elsewhere."""
+    seen = torch.ones(real.shape[1], real.shape[1], dtype=torch.bool).tril() & real.bool()[:, None, None, :]
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, masked)
+
+
+def agrees_on_real_tokens(hf: torch.nn.Module, patched: torch.nn.Module, tokens: torch.Tensor,
+                          real: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
+    """`step` on both with ``attention_mask=mask``: logits on real tokens, loss and every gradient agree."""
+    logits, loss, grads = step(hf, tokens, labels, attention_mask=mask)
+    p_logits, p_loss, p_grads = step(patched, tokens, labels, attention_mask=mask)
+    close(p_logits[real.bool()], logits[real.bool()], "logits on real tokens")
+    close(p_loss, loss, "loss")
+    assert p_grads.keys() == grads.keys() and len(grads) == len(list(hf.parameters()))
+    for name, g in grads.items():
+        close(p_grads[name], g, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("masked", [float("-inf"), torch.finfo(torch.float32).min], ids=["-inf", "finfo.min"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_additive_padding_mask_gives_what_transformers_gives(family: str, masked: float, side: str) -> None:
+    """A 4-D float mask of 0 and -inf (or the dtype's most negative value) given to the model is
+    the boolean mask kpt's attention takes: the patched model gives what transformers' ``sdpa``
+    gives with the same mask."""
+    hf = tiny(family)
+    patched = copy.deepcopy(hf)
+    kpt.patch(patched)
+    tokens, real, labels = padded(side)
+    agrees_on_real_tokens(hf, patched, tokens, real, labels, additive(real, masked))
+
+
+def test_an_additive_mask_kpt_cannot_compute_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bias (any value but 0 and a masked one) or a mask beyond the causal one raises, checked
+    once per mask and again after the mask changes in place; an integer mask raises."""
+    model = tiny("llama")
+    kpt.patch(model)
+    tokens, real, _ = padded("right")
+    patch_module = sys.modules["kpt.patch"]
+    checks, conditions = [], patch_module._mask_conditions
+
+    def counted(*args: object) -> object:
+        checks.append(args[0])
+        return conditions(*args)
+
+    monkeypatch.setattr(patch_module, "_mask_conditions", counted)
+    mask = additive(real, float("-inf"))
+    with torch.no_grad():
+        model(tokens, attention_mask=mask)
+        assert checks == [0], "a mask shared by both layers was not checked once, by the first"
+        for bias in (-1.5, 0.3):
+            mask[0, 0, 3, 1] = bias  # in place: the mask checked before is checked again
+            with pytest.raises(kpt.KernelNotSupportedError, match=r"values other than 0 and -inf.*attention=False"):
+                model(tokens, attention_mask=mask)
+        with pytest.raises(kpt.KernelNotSupportedError, match="not within the causal mask"):
+            model(tokens, attention_mask=torch.zeros(2, 1, 9, 9))
+        with pytest.raises(kpt.KernelNotSupportedError, match="4-D boolean masks or additive"):
+            model(tokens, attention_mask=(mask == 0).long())
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_model_loaded_with_eager_attention_is_patched_and_agrees(side: str) -> None:
+    """A model loaded with ``attn_implementation="eager"`` runs kpt's attention with the masks
+    transformers builds (under kpt's implementation, the ``sdpa`` ones) and gives what the unpatched
+    ``eager`` model gives on a padded batch; unpatched, it is ``eager`` again. The summary lists the
+    masks a patched attention takes."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY), attn_implementation="eager")
+    patched = copy.deepcopy(hf)
+    summary = kpt.patch(patched)
+    attention = [kind for kind in summary.swapped if "rotary + attention on kpt" in kind]
+    assert len(attention) == 1 and not summary.left, summary.table()
+    masks = attention[0].partition("masks: ")[2].removesuffix(")")
+    assert masks == ", ".join(sys.modules["kpt.patch"].MASKS_TAKEN) and "additive" in masks, summary.table()
+    assert "attn_implementation 'eager' -> 'kpt'" in " ".join(summary.swapped), summary.table()
+    tokens, real, labels = padded(side)
+    agrees_on_real_tokens(hf, patched, tokens, real, labels, real)
+    kpt.unpatch(patched)
+    assert patched.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+def test_other_attention_implementations_keep_their_attention(implementation: str) -> None:
+    """flash and flex attention pack and mask sequences their own way: their attention is left to
+    transformers, with the reason (flash_attention_2 is set on the config as loading sets it: the
+    package is not needed for patching)."""
+    torch.manual_seed(0)
+    if implementation == "flex_attention":
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY),
+                                                              attn_implementation=implementation)
+    else:
+        model = tiny("llama")
+        model.config._attn_implementation = implementation
+    summary = kpt.patch(model)
+    (why,) = (why for kind, (_, why) in summary.left.items() if "attention" in kind)
+    assert implementation in why and "attn_implementation='sdpa' or 'eager'" in why, summary.table()
+    assert not any("rotary + attention on kpt" in kind for kind in summary.swapped), summary.table()
+
+
+def test_the_compiled_model_takes_an_additive_mask_with_no_graph_break() -> None:
+    """Under ``torch.compile(fullgraph=True)`` an additive mask is checked in the graph, with no graph
+    break (training, with labels): an exact one gives what transformers gives, and a bias or a key
+    after the query still fails the run, with the message of the eager check."""
+    hf = tiny("llama")
+    patched = copy.deepcopy(hf)
+    kpt.patch(patched)
+    tokens, real, labels = padded("left")
+    mask = additive(real, float("-inf"))
+    explained = torch._dynamo.explain(patched)(tokens, attention_mask=mask, labels=labels)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(patched, fullgraph=True)
+    agrees_on_real_tokens(hf, compiled, tokens, real, labels, mask)
+    biased = mask.masked_fill(mask == 0, -1.5)
+    with pytest.raises(RuntimeError, match="values other than 0 and -inf"):
+        compiled(tokens, attention_mask=biased, labels=labels)
+    with pytest.raises(RuntimeError, match="not within the causal mask"):
+        compiled(tokens, attention_mask=torch.zeros_like(mask), labels=labels)

@@ -11,19 +11,24 @@ experts, and the language-model loss run kpt's kernels in their modules' ``forwa
 are shared, not copied: ``state_dict``, optimizers and checkpoints see the same tensors.
 
 Only what kpt's contract computes exactly is swapped; the rest is left, with the reason, in
-the returned `PatchSummary`: attention with logit soft-capping or dropout, or whose masks are
-built for an implementation other than ``sdpa``; a loss after logit soft-capping or with the
-router's auxiliary loss. A patched attention takes every mask transformers builds for ``sdpa``
-(`MASKS_TAKEN`): causal, key padding (left or right: batched ``generate()``, padding collators),
-packed documents (``position_ids`` that restart, as ``DataCollatorWithFlattening`` gives), sliding
-windows, a static cache's slots; a mask it cannot compute exactly raises
-`kpt.KernelNotSupportedError`, never a silent other computation. ``kpt.patch(model, attention=False)``
-keeps transformers' attention around kpt's rope. With labels, a patched model returns the float32
-loss of the fused ``linear_cross_entropy`` and no logits (they are never formed); call it without
-labels for logits. The patched forwards take their arguments by keyword and follow the names of the
-installed transformers (``past_key_values``, ``cache`` from 5.24), and compile with
-``torch.compile(model)``: kpt's kernels are custom ops. An architecture kpt does not know raises
-before anything changes, and a failure while patching undoes what was done.
+the returned `PatchSummary`: attention with logit soft-capping or dropout, or in a model loaded
+with an ``attn_implementation`` other than ``sdpa`` or ``eager`` (``flash_attention_*`` and
+``flex_attention`` mask and pack sequences their own way); a loss after logit soft-capping or
+with the router's auxiliary loss. A patched attention takes every mask transformers builds for
+``sdpa`` or ``eager`` (`MASKS_TAKEN`): causal, key padding (left or right: batched ``generate()``,
+padding collators), packed documents (``position_ids`` that restart, as
+``DataCollatorWithFlattening`` gives), sliding windows, a static cache's slots; and a 4-D mask
+given to the model, boolean or additive with 0 and -inf (or ``torch.finfo(dtype).min``), within
+the causal mask. A mask it cannot compute exactly (a bias, a key after the query) raises
+`kpt.KernelNotSupportedError` (under ``torch.compile``, an assert in the graph), never a silent
+other computation; a query that sees no key gives zeros, as ``sdpa`` does (`_kernel_mask`).
+``kpt.patch(model, attention=False)`` keeps transformers' attention around kpt's rope. With
+labels, a patched model returns the float32 loss of the fused ``linear_cross_entropy`` and no
+logits (they are never formed); call it without labels for logits. The patched forwards take
+their arguments by keyword and follow the names of the installed transformers
+(``past_key_values``, ``cache`` from 5.24), and compile with ``torch.compile(model)``: kpt's
+kernels are custom ops. An architecture kpt does not know raises before anything changes, and a
+failure while patching undoes what was done.
 """
 
 from __future__ import annotations
@@ -168,12 +173,13 @@ def _implementation(model: Any) -> Callable[[], Callable[[], None]]:
 
 
 MASKS_TAKEN = ("causal", "key padding (left or right)", "packed documents", "sliding window", "static cache",
-               "any boolean mask within the causal one")
-"""What a patched attention takes: the masks transformers builds for ``sdpa`` (`PatchSummary` says so)."""
+               "any 4-D boolean or additive (0 / -inf) mask within the causal one")
+"""What a patched attention takes: the masks transformers builds for ``sdpa`` and ``eager``, and
+a 4-D mask given to the model (`_kernel_mask`; `PatchSummary` says so)."""
 
-_within_causal: list[weakref.ref[Tensor]] = []
-"""The last 4-D mask checked to lie within the causal mask: one check for all the layers of a
-forward, which share it."""
+_checked: list[tuple[weakref.ref[Tensor], int]] = []
+"""The last 4-D mask found exact for kpt's attention (`_mask_conditions`), with its in-place
+version: one check for all the layers of a forward, which share it."""
 
 
 def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
@@ -186,33 +192,75 @@ def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
     (``True``: attend; padding, packed documents, sliding windows, a static cache's slots) goes to
     the kernel with ``causal`` kept, which lets the kernel skip the blocks above the diagonal: exact
     when the mask lies within the bottom-right causal one, as every mask transformers builds for a
-    causal language model does. Outside ``torch.compile`` that is checked (once per mask); a mask
-    that is not such a tensor raises `kpt.KernelNotSupportedError`."""
+    causal language model does. A 4-D float mask is additive, as ``sdpa`` and ``eager`` take one
+    (transformers passes a 4-D mask given to the model through to the attention): it is the boolean
+    ``mask == 0`` when its values are 0 (attend) or masked (``-inf``, or at most half the dtype's
+    most negative value, as transformers' ``eager`` masks hold ``torch.finfo(dtype).min``).
+
+    A query that sees no key (a padding query before a left-padded row's first token) outputs
+    zeros, as transformers' ``sdpa`` gives under a boolean or -inf mask. transformers' own
+    implementations disagree there: under a finite masked value (``finfo.min``, so in ``eager``)
+    such a query spreads its attention over every key, and ``eager`` under -inf gives NaN. Only the
+    outputs at padding queries differ, and through them only a loss term whose label follows
+    padding (a left-padded row's first token, which no real token predicts).
+
+    `_mask_conditions` says when a mask is not exact; outside ``torch.compile`` that is checked once
+    per mask and raises `kpt.KernelNotSupportedError`. A compiled graph reads no value on the host
+    without a break, so there each condition is a ``torch._assert_async``: the run fails with the
+    same message as a ``RuntimeError`` (on a GPU, a device-side assert, which ends the process's
+    CUDA context). Any other mask raises `kpt.KernelNotSupportedError`."""
     causal = bool(getattr(self, "is_causal", True))
     sq, skv = q.shape[2], k.shape[2]
     if attention_mask is None:
         if causal and 1 < sq < skv:
             k, v = k[:, :, :sq], v[:, :, :sq]
         return causal, None, k, v
-    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+    if (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4
+            or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point())):
         kind = (f"a {attention_mask.dim()}-D {attention_mask.dtype} tensor" if isinstance(attention_mask, Tensor)
                 else type(attention_mask).__name__)
         raise KernelNotSupportedError(
             f"kpt.patch: attention layer {self.layer_idx} was given {kind} as its mask; kpt's attention takes "
-            "the 4-D boolean masks transformers builds for attn_implementation='sdpa' (load the model with it), "
-            "or patch with kpt.patch(model, attention=False) to keep transformers' attention")
-    mask = attention_mask[..., :skv]
-    # one query (a decode step) sees every key under the bottom-right causal mask: nothing to check
-    eager = not torch.compiler.is_compiling()
-    if causal and sq > 1 and eager and not any(r() is attention_mask for r in _within_causal):
-        outside = mask & ~visible_keys(sq, skv, True, mask.device)
-        if bool(outside.any()):
-            raise KernelNotSupportedError(
-                f"kpt.patch: attention layer {self.layer_idx} was given a mask that lets queries see keys after "
-                "them (not within the causal mask), which a causal kpt attention does not compute; patch with "
-                "kpt.patch(model, attention=False) to keep transformers' attention")
-        _within_causal[:] = [weakref.ref(attention_mask)]
+            "4-D boolean masks or additive float ones of 0 and -inf, as transformers builds them for "
+            "attn_implementation='sdpa' or 'eager' (load the model with one), or patch with "
+            "kpt.patch(model, attention=False) to keep transformers' attention")
+    given = attention_mask[..., :skv]
+    mask = given if given.dtype == torch.bool else given == 0
+    compiling = torch.compiler.is_compiling()
+    if not compiling and any(r() is attention_mask and n == attention_mask._version for r, n in _checked):
+        return causal, mask, k, v
+    for exact, message in _mask_conditions(self.layer_idx, given, mask, causal, sq, skv):
+        if compiling:
+            torch._assert_async(exact, message)  # a graph reads no value on the host: the run fails instead
+        elif not bool(exact):
+            raise KernelNotSupportedError(message)
+    if not compiling:
+        _checked[:] = [(weakref.ref(attention_mask), attention_mask._version)]
     return causal, mask, k, v
+
+
+def _mask_conditions(layer: int, given: Tensor, mask: Tensor, causal: bool, sq: int, skv: int
+                     ) -> list[tuple[Tensor, str]]:
+    """``(condition, message)`` pairs, each condition a 0-D bool tensor, ``True`` when kpt's attention
+    with the boolean ``mask`` computes what transformers computes with the mask ``given`` to
+    attention layer ``layer`` (sliced to its ``skv`` keys): an additive mask holds only 0 and masked
+    values, and a causal layer's mask lies within the causal one (one query, a decode step, sees
+    every key under the bottom-right causal mask: nothing to check). The messages hold no double
+    quote: a compiled graph writes them into its code."""
+    conditions = []
+    if given.dtype != torch.bool:
+        masked = given <= torch.finfo(given.dtype).min / 2
+        conditions.append(((mask | masked).all(), (
+            f"kpt.patch: attention layer {layer} was given an additive mask with values other than 0 and -inf "
+            f"(or at most torch.finfo({given.dtype}).min / 2), a bias kpt's attention does not add: it takes "
+            "boolean masks or additive ones of 0 and -inf; patch with kpt.patch(model, attention=False) to keep "
+            "transformers' attention for biased masks")))
+    if causal and sq > 1:
+        conditions.append(((mask & ~visible_keys(sq, skv, True, mask.device)).any().logical_not(), (
+            f"kpt.patch: attention layer {layer} was given a mask that lets queries see keys after them (not "
+            "within the causal mask), which a causal kpt attention does not compute; patch with "
+            "kpt.patch(model, attention=False) to keep transformers' attention")))
+    return conditions
 
 
 def _cache(kwargs: dict[str, Any]) -> Any:
@@ -392,13 +440,18 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
 
 
 def _attention_unsupported(module: Any, config: Any, wanted: bool) -> str | None:
+    """Why a module's attention is left to transformers (``None``: it is patched). A model loaded with
+    ``sdpa`` or ``eager`` is patched: ``eager``'s masks are ``sdpa``'s as 0 and ``finfo.min``, the two
+    agree at every query that sees a key (`_kernel_mask`), and a patched model builds ``sdpa``'s
+    (`IMPLEMENTATION`). ``flash_attention_*`` and ``flex_attention`` mask and pack sequences their
+    own way."""
     if not wanted:
         return "transformers' attention asked for (attention=False): masks and padding as it handles them"
     if getattr(config, "attention_dropout", 0.0):
         return f"attention dropout {config.attention_dropout} is not in kpt's attention contract"
-    if config._attn_implementation != "sdpa":
-        return (f"masks are built for attn_implementation={config._attn_implementation!r}; load the model with "
-                "attn_implementation='sdpa' for kpt's")
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return (f"attn_implementation={config._attn_implementation!r} masks and packs sequences its own way, "
+                "not as sdpa does; load the model with attn_implementation='sdpa' or 'eager' for kpt's")
     if not 16 <= module.head_dim <= 256:
         return f"head_dim {module.head_dim} is outside kpt's attention range 16..256"
     return None
