@@ -111,14 +111,17 @@ def test_a_sliding_window_shorter_than_the_sequence_agrees() -> None:
 
 def test_a_mask_kpt_cannot_compute_is_refused() -> None:
     """A 4-D mask that lets queries see later keys (not within the causal mask), or an additive
-    float mask, raises; nothing is computed differently."""
+    float mask with values other than 0 and -inf (a bias), raises; nothing is computed differently."""
     _, patched = pair("llama")
     tokens = torch.randint(1, TINY["vocab_size"], (1, 6))
     future = torch.ones(1, 1, 6, 6, dtype=torch.bool)
     with pytest.raises(kpt.KernelNotSupportedError, match="not within the causal mask"):
         patched(tokens, attention_mask=future)
-    with pytest.raises(kpt.KernelNotSupportedError, match="boolean masks"):
-        patched(tokens, attention_mask=torch.zeros(1, 1, 6, 6))
+    with pytest.raises(kpt.KernelNotSupportedError, match="not within the causal mask"):
+        patched(tokens, attention_mask=torch.zeros(1, 1, 6, 6))  # additive: 0 attends every key
+    biased = torch.full((1, 1, 6, 6), -1.5).triu(1)
+    with pytest.raises(kpt.KernelNotSupportedError, match="values other than 0 and -inf"):
+        patched(tokens, attention_mask=biased)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

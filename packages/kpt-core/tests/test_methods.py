@@ -43,3 +43,33 @@ def test_method_calls_the_backend_with_keywords_and_defaults() -> None:
 def test_every_kernel_is_listed() -> None:
     assert kpt.list_kernels() == list(kpt.SPECS)
     assert "rms_norm" in kpt.list_kernels() and "attention" in kpt.list_kernels()
+
+
+class _Fusing(kpt.reference.ReferenceBackend):
+    name = "fusing-test"
+    compiler_fuses = frozenset({"rms_norm"})
+
+
+def test_compiler_fuses_gives_the_compiler_the_contract_expression_not_the_op() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    be = _Fusing()
+    be.register_ops()
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(5, 16, dtype=torch.float64)
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return be.swiglu(be.rms_norm(x, w), up)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    y = torch.compile(block, backend=counter, fullgraph=True)(x, w)
+    gx, gw = torch.autograd.grad(y.square().sum(), (x, w))
+    ops = {str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert "kpt_fusing_test.swiglu.default" in ops  # a kernel not in compiler_fuses stays an op
+    assert not any("rms_norm" in op for op in ops), ops
+    eager = block(x, w)  # eager calls run the backend's kernel, whatever compiler_fuses says
+    ex, ew = torch.autograd.grad(eager.square().sum(), (x, w))
+    torch.testing.assert_close(y, eager, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close((gx, gw), (ex, ew), rtol=1e-10, atol=1e-12)

@@ -77,6 +77,12 @@ class Backend(KernelMethods):
     """Simulators (fpga-sim) are never selected automatically."""
     contract_version: ClassVar[int] = CONTRACT_VERSION
     dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
+    compiler_fuses: ClassVar[frozenset[str]] = frozenset()
+    """Kernels that a call traced by ``torch.compile`` gives to the compiler as the contract's own
+    torch expression (the reference body, differentiated by autograd) instead of this backend's
+    op, for Inductor to fuse with the ops around it: where the backend's kernel is itself what
+    Inductor would generate (a Triton row or elementwise kernel), the op only costs a launch from
+    Python and a round trip through memory. Eager calls run the backend's kernel as always."""
     checks_indices: ClassVar[bool] = False
     """Check index values (targets, expert ids, offsets, permutations) on every call, not only in
     checked mode (`kpt.checking_indices`): for backends where reading them costs nothing (CPU)."""
@@ -191,7 +197,9 @@ class Backend(KernelMethods):
             values, traced = dtensors, True
         if spec.check_indices is not None and not traced and indices_checked(self.checks_indices):
             spec.check_indices(bound)
-        if traced:
+        if traced and kernel in self.compiler_fuses and torch.compiler.is_compiling():
+            out = spec.forward(*values)  # the contract's torch expression, for Inductor to fuse
+        elif traced:
             # one op for the compiler to trace (or to run its fake implementation on meta tensors)
             if not spec.differentiable:
                 values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
