@@ -115,23 +115,41 @@ H100's latest sweep was not repeated on it."""
 _ROW_SM80 = {"tile_elems": 4096, "elems_per_warp": 512}
 _ROW_BWD_SM80 = {**_ROW_SM80, "programs_per_sm": 4}
 
+# The norm backwards, chosen in the AOT check at every conformance case (sm80), not timed. A row of 8192
+# read once in 16 warps spilled 168-524 bytes a thread (ptxas caps 512 threads at 128 registers; in 8
+# warps 432-504 with the gradient of h): rows wider than 4096 go in chunks of 4096, which rms_norm's
+# backward holds in 8 warps with no spill. Layer norm's chunk loop at 4096 columns spilled 168 bytes in 8
+# warps and 136-212 in 16, at 2048 none: its rows wider than 2048 go in chunks of 2048 (4096-wide rows,
+# the performance shape among them, read their second half twice, from L2 at best). add_rms_norm's
+# backward also spilled 8-28 bytes a thread at 48-64 registers in 2048- and 4096-element tiles of narrow
+# rows (5 x 256 without a weight, 1 x 1) in 4 and 8 warps: tiles of 1024 elements in one warp spill none
+# (768 elements a warp: `kpt_triton.tiling.warps` still gives a 4096-column chunk 8 warps)
+_RMS_NORM_BWD_SM80 = {**_ROW_BWD_SM80, "max_block": 4096}
+
 SM80: Table = {
     "rms_norm_fwd": _ROW_SM80,
-    "rms_norm_bwd": _ROW_BWD_SM80,
+    "rms_norm_bwd": _RMS_NORM_BWD_SM80,
     "add_rms_norm_fwd": _ROW_SM80,
-    "add_rms_norm_bwd": _ROW_BWD_SM80,
+    "add_rms_norm_bwd": {**_RMS_NORM_BWD_SM80, "tile_elems": 1024, "elems_per_warp": 768},
     "layer_norm_fwd": _ROW_SM80,
-    "layer_norm_bwd": _ROW_BWD_SM80,
+    "layer_norm_bwd": {**_ROW_BWD_SM80, "max_block": 2048},
     "softmax_fwd": _ROW_SM80,
     "softmax_bwd": _ROW_SM80,
     "cross_entropy_fwd": {"block_v": 8192, "elems_per_warp": 512},
     # chosen in the AOT check at every conformance case (sm80), not timed: the dispatch's 128 pairs copied 64
     # columns a step spilled 16-168 bytes a thread (32: none); the decode kernel at head dim 80, 16 rows x 64 keys
-    # in 4 warps, 8 (8 warps: none); the dk/dv kernel at head dim 64 in 32 x 64 tiles 12-392 (16 bits; 32 x 32:
-    # 12 with the causal mask)
+    # in 4 warps, 8 (8 warps: none); the dk/dv kernel at head dim 64 in 32 x 64 tiles 12-392 (16 bits; 32 x 32
+    # in 4 warps 12 with the causal mask, in one stage 12, 8 warps none). Float32's backward (a conformance dtype)
+    # in 4 warps spilled 8-12 bytes a thread with the causal mask at head dim 64 (16 x 32) and 256 (16 x 16): in 8
+    # warps none (at head dim 64 in one stage: two spilled 12-32 with a mask). The grouped GEMM's 64 x 64 x 32
+    # tiles in 3 stages spilled 8 bytes in float32 (2 stages: none; 8 warps 8, 16-wide K steps 8-24); bfloat16
+    # runs the same tiles here (torch._grouped_mm is kpt-cuda's on Hopper only)
     "moe_dispatch_fwd": {"block_h": 32},
     "attention_fwd": {"decode": Decode(num_warps=8)},
-    "attention_bwd": {"tiles": {64: Tiles(32, 32, 4, 2)}},
+    "attention_bwd": {"tiles": {64: Tiles(32, 32, 8, 2)},
+                      "fp32_tiles": {64: Tiles(16, 32, 8, 1), 256: Tiles(16, 16, 8, 2)}},
+    "grouped_linear_fwd": {"num_stages": 2},
+    "grouped_linear_bwd": {"num_stages": 2},
     "fp8_linear_fwd": {"scaled_mm": False},
 }
 
