@@ -318,7 +318,8 @@ def main(session: nox.Session) -> None:
 
 
 # backend -> the arch tags compiled ahead of time: every one by aot_all, CI's cut (AOT_CI) by aot
-AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"), "cuda": ("sm80", "sm90", "sm90-hbm3e")}
+AOT_TARGETS = {"rocm": ("gfx942", "gfx950", "gfx90a", "gfx1100", "gfx1201"),
+               "cuda": ("sm80", "sm90", "sm90-hbm3e", "sm100")}
 AOT_CI = {"rocm": ("gfx942",), "cuda": ("sm90",)}
 
 

@@ -76,7 +76,8 @@ def test_unavailable_reasons(monkeypatch, case, reason):
 
 
 @pytest.mark.parametrize("cc, gib, arch", [((8, 0), 80, "sm80"), ((8, 9), 24, "sm80"), ((9, 0), 80, "sm90"),
-                                           ((9, 0), 141, "sm90-hbm3e"), ((10, 0), 80, "sm90")])
+                                           ((9, 0), 141, "sm90-hbm3e"), ((10, 0), 180, "sm100"),
+                                           ((10, 3), 268, "sm100"), ((12, 0), 32, "sm90")])
 def test_arch_tags(monkeypatch, cc, gib, arch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.version, "hip", None)

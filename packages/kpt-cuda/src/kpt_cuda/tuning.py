@@ -153,7 +153,39 @@ SM80: Table = {
     "fp8_linear_fwd": {"scaled_mm": False},
 }
 
-TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E, "interpret": {}}
+# Blackwell (B200, B300): sm90's table where it compiles without a spill, else entries chosen in the AOT check at
+# every conformance case (sm100, Triton 3.6), none timed on a Blackwell GPU. The sm90 entries that spill on sm90,
+# accepted there with an H100's timings, spilled here too, as did others: the norm backwards' 16-warp tiles
+# 8-608 bytes a thread (in 8 warps, rows of 8192 with the gradient of h 192-240) take sm80's norm backwards
+# (rms_norm's with add_rms_norm's narrow tiles: in 4 warps, 8 x 256 without a weight spilled 8); the softmax
+# span kernel's 16384 columns in 16 warps 32 (chunks of 8192: none); the dispatch's 32 columns in 4 warps 24
+# (16 columns 8-48; 8 warps none); the quantize rows' 64 x 64 tiles in 4 warps and the amax's 8 x 1024 in 8,
+# 8-40 (512 elements a warp: none); the float32 grouped GEMM 72-112 (2 stages 232-264; 8 warps none); the
+# 16-bit dk/dv kernel's 32 x 64 tiles at head dims 16-64 8-636 (32 x 32 in 8 warps; at head dim 32 with a mask
+# 12-24, 16 x 32 in 4 warps none); float32's backward in 4 warps 8-68 at head dims 16, 64 and 256, the decode
+# kernel 8-16 at head dims 16 (4 warps, a mask), 32 and 80 (float32, the forward's 64 keys in 2 stages)
+_ROWS_BWD_SM100 = {**_RMS_NORM_BWD_SM80, "tile_elems": 1024, "elems_per_warp": 768}
+
+SM100: Table = {
+    **SM90,
+    "rms_norm_bwd": _ROWS_BWD_SM100,
+    "add_rms_norm_bwd": _ROWS_BWD_SM100,
+    "layer_norm_bwd": SM80["layer_norm_bwd"],
+    "softmax_fwd": {**SM90["softmax_fwd"], "chunk": 8192},
+    "moe_dispatch_fwd": {"block_h": 32, "num_warps": 8},
+    "attention_fwd": {**_ATTENTION_FWD_SM90, "decode": Decode(num_warps=8),
+                      "fp32_tiles": {**_ATTENTION_FWD_SM90["fp32_tiles"], 32: Tiles(32, 32, 8, 2),
+                                     128: Tiles(32, 64, 8, 1)}},
+    "attention_bwd": {"tiles": {16: Tiles(32, 32, 8, 2), 32: Tiles(16, 32, 4, 2), 64: Tiles(32, 32, 8, 2)},
+                      "fp32_tiles": {16: Tiles(16, 16, 4, 2), 32: Tiles(16, 32, 8, 1), 64: Tiles(16, 32, 8, 1),
+                                     128: Tiles(16, 16, 8, 1), 256: Tiles(16, 16, 8, 1)}},
+    "grouped_linear_fwd": {"num_warps": 8},
+    "grouped_linear_bwd": {"num_warps": 8},
+    "quantize_fp8_fwd": {**SM90["quantize_fp8_fwd"], "elems_per_warp": 512},
+}
+"""Data-centre Blackwell (compute capability 10.x): chosen without a GPU, never timed."""
+
+TABLES: dict[str, Table] = {"sm80": SM80, "sm90": SM90, "sm90-hbm3e": SM90_HBM3E, "sm100": SM100, "interpret": {}}
 """By `kpt_cuda.device.arch` tag; under the Triton interpreter the portable defaults."""
 
 _SPILLS_SM90 = {

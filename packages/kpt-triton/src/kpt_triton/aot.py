@@ -68,6 +68,7 @@ TARGETS: dict[str, Target] = {
     "sm80": Target(GPUTarget("cuda", 80, 32), 166912, 108, sm_shared=167936),  # A100
     "sm90": _SM90,  # H100 SXM
     "sm90-hbm3e": _SM90,  # H200 SXM: the same multiprocessors
+    "sm100": Target(GPUTarget("cuda", 100, 32), 232448, 148, sm_shared=233472),  # B200
 }
 """By the arch tags of the backends' tuning tables."""
 
