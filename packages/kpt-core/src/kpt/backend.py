@@ -192,12 +192,13 @@ class Backend(KernelMethods):
         needs_grad = grad_enabled and requires_grad and _needs_grad(spec, bound)
         values = spec.forward_values(bound, spec.needs_grad_arg and needs_grad)
         registration = self._registration
-        traced = meta or torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        traced = meta or compiling
         if not traced and (dtensors := _distributed(self, values)) is not None:
             values, traced = dtensors, True
         if spec.check_indices is not None and not traced and indices_checked(self.checks_indices):
             spec.check_indices(bound)
-        if traced and kernel in self.compiler_fuses and torch.compiler.is_compiling():
+        if compiling and kernel in self.compiler_fuses:
             out = spec.forward(*values)  # the contract's torch expression, for Inductor to fuse
         elif traced:
             # one op for the compiler to trace (or to run its fake implementation on meta tensors)

@@ -27,8 +27,9 @@ labels, a patched model returns the float32 loss of the fused ``linear_cross_ent
 logits (they are never formed); call it without labels for logits. The patched forwards take
 their arguments by keyword and follow the names of the installed transformers
 (``past_key_values``, ``cache`` from 5.24), and compile with ``torch.compile(model)``: kpt's
-kernels are custom ops. An architecture kpt does not know raises before anything changes, and a
-failure while patching undoes what was done.
+kernels are custom ops, except those the backend's ``compiler_fuses`` gives Inductor to fuse.
+An architecture kpt does not know raises before anything changes, and a failure while patching
+undoes what was done.
 """
 
 from __future__ import annotations

@@ -45,9 +45,10 @@ def arch() -> str:
     (data-centre Blackwell, compute capability 10.x: B200, B300; chosen without a GPU, not timed),
     "sm90-hbm3e" (Hopper with HBM3e memory, tuned on an H200) or "sm90" (Hopper and the other
     newer GPUs, tuned on an H100)."""
-    if capability() < (9, 0):
+    cc = capability()
+    if cc < (9, 0):
         return "sm80"
-    if capability()[0] == 10:
+    if cc[0] == 10:
         return "sm100"
     memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return "sm90-hbm3e" if memory >= HBM3E_MIN_BYTES else "sm90"

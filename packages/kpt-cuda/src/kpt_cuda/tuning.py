@@ -125,12 +125,13 @@ _ROW_BWD_SM80 = {**_ROW_SM80, "programs_per_sm": 4}
 # rows (5 x 256 without a weight, 1 x 1) in 4 and 8 warps: tiles of 1024 elements in one warp spill none
 # (768 elements a warp: `kpt_triton.tiling.warps` still gives a 4096-column chunk 8 warps)
 _RMS_NORM_BWD_SM80 = {**_ROW_BWD_SM80, "max_block": 4096}
+_NARROW_NORM_BWD_SM80 = {**_RMS_NORM_BWD_SM80, "tile_elems": 1024, "elems_per_warp": 768}
 
 SM80: Table = {
     "rms_norm_fwd": _ROW_SM80,
     "rms_norm_bwd": _RMS_NORM_BWD_SM80,
     "add_rms_norm_fwd": _ROW_SM80,
-    "add_rms_norm_bwd": {**_RMS_NORM_BWD_SM80, "tile_elems": 1024, "elems_per_warp": 768},
+    "add_rms_norm_bwd": _NARROW_NORM_BWD_SM80,
     "layer_norm_fwd": _ROW_SM80,
     "layer_norm_bwd": {**_ROW_BWD_SM80, "max_block": 2048},
     "softmax_fwd": _ROW_SM80,
@@ -164,12 +165,10 @@ SM80: Table = {
 # 16-bit dk/dv kernel's 32 x 64 tiles at head dims 16-64 8-636 (32 x 32 in 8 warps; at head dim 32 with a mask
 # 12-24, 16 x 32 in 4 warps none); float32's backward in 4 warps 8-68 at head dims 16, 64 and 256, the decode
 # kernel 8-16 at head dims 16 (4 warps, a mask), 32 and 80 (float32, the forward's 64 keys in 2 stages)
-_ROWS_BWD_SM100 = {**_RMS_NORM_BWD_SM80, "tile_elems": 1024, "elems_per_warp": 768}
-
 SM100: Table = {
     **SM90,
-    "rms_norm_bwd": _ROWS_BWD_SM100,
-    "add_rms_norm_bwd": _ROWS_BWD_SM100,
+    "rms_norm_bwd": _NARROW_NORM_BWD_SM80,
+    "add_rms_norm_bwd": _NARROW_NORM_BWD_SM80,
     "layer_norm_bwd": SM80["layer_norm_bwd"],
     "softmax_fwd": {**SM90["softmax_fwd"], "chunk": 8192},
     "moe_dispatch_fwd": {"block_h": 32, "num_warps": 8},
