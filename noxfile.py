@@ -367,7 +367,7 @@ USAGE_EXTRA = ("numpy", "mypy", "transformers", "accelerate", "matplotlib")
 
 
 # the transformers releases `models` runs against: the oldest kpt.patch supports and the newest
-TRANSFORMERS = {"oldest": "5.17.0", "newest": "5.24.0"}
+TRANSFORMERS = {"oldest": "5.17.0", "newest": "5.25.0"}
 
 
 @nox.session
