@@ -103,6 +103,68 @@ def test_packed_documents_agree(family: str) -> None:
           labels=labels)
 
 
+def flash_pair(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model as transformers builds it (``sdpa``), and a patched copy as a model loaded with
+    ``flash_attention_2`` is patched (the implementation set on its config as loading sets it: the
+    flash-attn package, which needs a GPU, is not needed for patching)."""
+    hf, _ = pair(family)
+    flash = copy.deepcopy(hf)
+    flash.config._attn_implementation = "flash_attention_2"
+    kpt.patch(flash)
+    return hf, flash
+
+
+DOCUMENTS = (0, 5, 8, 15)
+"""Offsets of three documents of 5, 3 and 7 tokens packed in one row, as FlashAttention's varlen
+``cu_seq_lens_*`` give them."""
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_flash_varlen_offsets_keep_packed_documents_apart(family: str) -> None:
+    """A model loaded with ``flash_attention_2`` and given FlashAttention's varlen offsets
+    (``cu_seq_lens_q``/``cu_seq_lens_k``) and no restarting positions: each document attends only to
+    itself, as flash's varlen call computes; the oracle runs each document alone through the unpatched
+    model at the same positions. Logits, loss (labels masked at each document's first token, as the
+    collator marks them) and gradients agree, eager and under ``torch.compile(fullgraph=True)``."""
+    hf, flash = flash_pair(family)
+    summary = str(flash.kpt_summary)
+    assert "cu_seq_lens" in summary and "flash_attention_2' -> 'kpt'" in summary, summary
+    tokens = torch.randint(1, TINY["vocab_size"], (1, DOCUMENTS[-1]), generator=torch.Generator().manual_seed(5))
+    labels = tokens.clone()
+    labels[0, list(DOCUMENTS[:-1])] = -100
+    cu = torch.tensor(DOCUMENTS, dtype=torch.int32)
+    varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 7, "max_length_k": 7}
+
+    hf.zero_grad()
+    spans = list(zip(DOCUMENTS[:-1], DOCUMENTS[1:]))
+    logits = torch.cat([hf(tokens[:, a:b], position_ids=torch.arange(a, b)[None]).logits for a, b in spans], dim=1)
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    for model in (flash, torch.compile(flash, fullgraph=True)):
+        p_logits, p_loss, p_grads = run(model, input_ids=tokens, labels=labels, **varlen)
+        close(p_logits, logits.detach(), "logits")
+        close(p_loss, loss.detach(), "loss")
+        for name, g in grads.items():
+            close(p_grads[name], g, f"gradient of {name}")
+
+
+def test_flash_varlen_offsets_kpt_cannot_follow_are_refused() -> None:
+    """Offsets that do not cover the batch's tokens, or differ for queries and keys, raise; a model
+    loaded with ``sdpa`` ignores the offsets, as transformers' ``sdpa`` does."""
+    hf, flash = flash_pair("llama")
+    tokens = torch.randint(1, TINY["vocab_size"], (1, DOCUMENTS[-1]))
+    cu = torch.tensor(DOCUMENTS, dtype=torch.int32)
+    short, other = torch.tensor((0, 5, 8), dtype=torch.int32), torch.tensor((0, 6, 8, 15), dtype=torch.int32)
+    for given in ({"cu_seq_lens_q": short, "cu_seq_lens_k": short}, {"cu_seq_lens_q": cu, "cu_seq_lens_k": other},
+                  {"cu_seq_lens_q": cu}):
+        with pytest.raises(kpt.KernelNotSupportedError, match="cu_seq_lens_q and cu_seq_lens_k"):
+            flash(tokens, **given)
+    _, patched = pair("llama")
+    with torch.no_grad():
+        close(patched(tokens, cu_seq_lens_q=cu, cu_seq_lens_k=cu).logits, hf(tokens).logits, "sdpa ignores offsets")
+
+
 def test_a_sliding_window_shorter_than_the_sequence_agrees() -> None:
     hf, patched = pair("mistral", sliding_window=4)
     tokens, mask, labels = padded_batch("left")
@@ -243,9 +305,13 @@ def _train(model: torch.nn.Module, collator: object, data: list[dict], out: Path
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("collator", ["padding", "packing"])
+@pytest.mark.parametrize("collator", ["padding", "packing", "varlen"])
 def test_trainer_with_a_padding_and_a_packing_collator_matches(collator: str, tmp_path: Path) -> None:
-    hf, patched = pair("llama")
+    """Three Trainer steps, patched against unpatched: a padding collator, a packing one (restarting
+    ``position_ids``), and a packing one with FlashAttention's varlen offsets as well, given to a model
+    loaded with ``flash_attention_2`` (the unpatched ``sdpa`` model keeps the documents apart by the
+    positions, which the collator gives too)."""
+    hf, patched = flash_pair("llama") if collator == "varlen" else pair("llama")
     g = torch.Generator().manual_seed(4)
     lengths = (9, 4, 13, 6, 11, 2, 8, 5, 12)
     tokenizer = _tokenizer()
@@ -256,6 +322,8 @@ def test_trainer_with_a_padding_and_a_packing_collator_matches(collator: str, tm
     else:
         collate = transformers.DataCollatorWithFlattening()
     losses, params = _train(hf, collate, data, tmp_path / "hf")
+    if collator == "varlen":
+        collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     p_losses, p_params = _train(patched, collate, data, tmp_path / "kpt")
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     torch.testing.assert_close(torch.tensor(p_losses), torch.tensor(losses), atol=1e-4, rtol=1e-4)

@@ -342,21 +342,15 @@ def test_a_model_loaded_with_eager_attention_is_patched_and_agrees(side: str) ->
     assert patched.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
-def test_other_attention_implementations_keep_their_attention(implementation: str) -> None:
-    """flash and flex attention pack and mask sequences their own way: their attention is left to
-    transformers, with the reason (flash_attention_2 is set on the config as loading sets it: the
-    package is not needed for patching)."""
+def test_flex_attention_keeps_its_attention() -> None:
+    """flex attention masks sequences its own way (block masks): its attention is left to transformers,
+    with the reason. (A model loaded with flash_attention_2 is patched: models/test_flows.py.)"""
     torch.manual_seed(0)
-    if implementation == "flex_attention":
-        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY),
-                                                              attn_implementation=implementation)
-    else:
-        model = tiny("llama")
-        model.config._attn_implementation = implementation
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY),
+                                                          attn_implementation="flex_attention")
     summary = kpt.patch(model)
     (why,) = (why for kind, (_, why) in summary.left.items() if "attention" in kind)
-    assert implementation in why and "attn_implementation='sdpa' or 'eager'" in why, summary.table()
+    assert "flex_attention" in why and "attn_implementation='sdpa'" in why, summary.table()
     assert not any("rotary + attention on kpt" in kind for kind in summary.swapped), summary.table()
 
 

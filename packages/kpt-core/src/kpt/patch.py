@@ -12,14 +12,16 @@ are shared, not copied: ``state_dict``, optimizers and checkpoints see the same 
 
 Only what kpt's contract computes exactly is swapped; the rest is left, with the reason, in
 the returned `PatchSummary`: attention with logit soft-capping or dropout, or in a model loaded
-with an ``attn_implementation`` other than ``sdpa`` or ``eager`` (``flash_attention_*`` and
-``flex_attention`` mask and pack sequences their own way); a loss after logit soft-capping or
-with the router's auxiliary loss. A patched attention takes every mask transformers builds for
-``sdpa`` or ``eager`` (`MASKS_TAKEN`): causal, key padding (left or right: batched ``generate()``,
-padding collators), packed documents (``position_ids`` that restart, as
+with ``flex_attention`` or a paged implementation (they mask sequences their own way); a loss after
+logit soft-capping or with the router's auxiliary loss. A patched attention takes every mask
+transformers builds for ``sdpa`` or ``eager`` (`MASKS_TAKEN`): causal, key padding (left or right:
+batched ``generate()``, padding collators), packed documents (``position_ids`` that restart, as
 ``DataCollatorWithFlattening`` gives), sliding windows, a static cache's slots; and a 4-D mask
 given to the model, boolean or additive with 0 and -inf (or ``torch.finfo(dtype).min``), within
-the causal mask. A mask it cannot compute exactly (a bias, a key after the query) raises
+the causal mask. A model loaded with ``flash_attention_*`` also keeps the documents of
+FlashAttention's varlen offsets apart (``cu_seq_lens_q``/``cu_seq_lens_k``, `VARLEN_TAKEN`); one
+loaded with ``sdpa`` or ``eager`` ignores them, as transformers does there. A mask it cannot
+compute exactly (a bias, a key after the query) raises
 `kpt.KernelNotSupportedError` (under ``torch.compile``, an assert in the graph), never a silent
 other computation; a query that sees no key gives zeros, as ``sdpa`` does (`_kernel_mask`).
 ``kpt.patch(model, attention=False)`` keeps transformers' attention around kpt's rope. With
@@ -128,6 +130,54 @@ def _attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tu
     return knn.project_heads(self.o_proj, out), None
 
 
+def _varlen_attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                              attention_mask: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, Any]:
+    """`_attention_forward` for a model loaded with a ``flash_attention_*`` implementation, whose
+    packed batches may come as FlashAttention's varlen inputs: ``cu_seq_lens_q``/``cu_seq_lens_k``
+    (cumulative document lengths over the flattened batch, as ``DataCollatorWithFlattening(
+    return_flash_attn_kwargs=True)`` gives them) keep the documents apart, as flash's varlen call
+    does (`_document_mask`); restarting ``position_ids`` do through the mask transformers builds."""
+    q, k, v, shape = _rotated(self, hidden_states, position_embeddings, kwargs)
+    causal, mask, k, v = _kernel_mask(self, attention_mask, q, k, v)
+    documents = _document_mask(self.layer_idx, kwargs, q.shape[0], q.shape[2], k.shape[2], q.device)
+    if documents is not None:
+        mask = documents if mask is None else mask & documents
+    out = knn.backend(q).attention(q, k, v, causal, self.scaling, mask)
+    return knn.project_heads(self.o_proj, out), None
+
+
+def _document_mask(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv: int,
+                   device: torch.device) -> Tensor | None:
+    """``[B, 1, S, S]`` bool, ``True`` where query and key lie in one document of the flattened batch
+    that FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` (in ``kwargs``) delimit: token ``t`` of
+    the flattened ``B * S`` tokens lies in document ``d`` when ``cu[d] <= t < cu[d + 1]``. ``None``
+    without them. Packed documents have no cache: the offsets must be one for queries and keys
+    (checked on the host, or in the graph under ``torch.compile``) and cover the ``B * S`` tokens."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None or sq != skv:
+        raise KernelNotSupportedError(
+            f"kpt.patch: attention layer {layer} was given cu_seq_lens_q and cu_seq_lens_k "
+            f"({'one of them' if cu_q is None or cu_k is None else f'for {sq} queries and {skv} keys'}); kpt's "
+            "attention takes packed documents with one set of offsets for queries and keys and no cache; pass "
+            "both (as DataCollatorWithFlattening(return_flash_attn_kwargs=True) does), or position_ids that restart")
+    message = (f"kpt.patch: attention layer {layer} was given cu_seq_lens_q and cu_seq_lens_k that differ or do "
+               f"not run from 0 to the {batch * sq} tokens of the batch; kpt's attention takes one set of document "
+               "offsets for queries and keys, covering the flattened batch")
+    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.numel() < 2:
+        raise KernelNotSupportedError(message)
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    exact = (cu_q == cu_k).all() & (cu_q[0] == 0) & (cu_q[-1] == batch * sq)
+    if torch.compiler.is_compiling():
+        torch._assert_async(exact, message)  # a graph reads no value on the host: the run fails instead
+    elif not bool(exact):
+        raise KernelNotSupportedError(message)
+    tokens = torch.arange(batch * sq, device=device, dtype=cu_q.dtype)
+    document = torch.searchsorted(cu_q[1:], tokens, right=True).view(batch, sq)
+    return (document[:, :, None] == document[:, None, :])[:, None]
+
+
 IMPLEMENTATION = "kpt"
 """The ``attn_implementation`` name a patched model runs under: transformers' ``sdpa`` attention and
 masks (`_mask`), registered with its ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -177,6 +227,9 @@ MASKS_TAKEN = ("causal", "key padding (left or right)", "packed documents", "sli
                "any 4-D boolean or additive (0 / -inf) mask within the causal one")
 """What a patched attention takes: the masks transformers builds for ``sdpa`` and ``eager``, and
 a 4-D mask given to the model (`_kernel_mask`; `PatchSummary` says so)."""
+VARLEN_TAKEN = ("packed documents as cu_seq_lens_q/cu_seq_lens_k",)
+"""What a patched attention of a model loaded with ``flash_attention_*`` takes besides `MASKS_TAKEN`:
+FlashAttention's varlen offsets (`_varlen_attention_forward`)."""
 
 _checked: list[tuple[weakref.ref[Tensor], int]] = []
 """The last 4-D mask found exact for kpt's attention (`_mask_conditions`), with its in-place
@@ -417,8 +470,10 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
                 plan.leave(f"{kind}: attention (rotary on kpt)", why)
                 plan.swap(f"{kind}: rotary on kpt (rope)", _override(module, _rotary_forward))
             else:
-                plan.swap(f"{kind}: rotary + attention on kpt (rope, attention; masks: {', '.join(MASKS_TAKEN)})",
-                          _override(module, _attention_forward))
+                varlen = _flash_style(config)
+                masks = ", ".join((*MASKS_TAKEN, *VARLEN_TAKEN) if varlen else MASKS_TAKEN)
+                plan.swap(f"{kind}: rotary + attention on kpt (rope, attention; masks: {masks})",
+                          _override(module, _varlen_attention_forward if varlen else _attention_forward))
                 attends = True
         elif kind.endswith("TopKRouter"):
             plan.swap(f"{kind}: moe_gating", _override(module, _router_forward))
@@ -440,19 +495,31 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
     return plan
 
 
+def _flash_style(config: Any) -> bool:
+    """Whether the model was loaded with a FlashAttention implementation (``flash_attention_2``,
+    ``flash_attention_3``, a hub kernel such as ``kernels-community/flash-attn2``), whose packed
+    batches may come as varlen offsets (`_varlen_attention_forward`); not the paged ones of
+    continuous batching."""
+    implementation = str(config._attn_implementation)
+    return "flash" in implementation and not implementation.startswith("paged")
+
+
 def _attention_unsupported(module: Any, config: Any, wanted: bool) -> str | None:
     """Why a module's attention is left to transformers (``None``: it is patched). A model loaded with
-    ``sdpa`` or ``eager`` is patched: ``eager``'s masks are ``sdpa``'s as 0 and ``finfo.min``, the two
-    agree at every query that sees a key (`_kernel_mask`), and a patched model builds ``sdpa``'s
-    (`IMPLEMENTATION`). ``flash_attention_*`` and ``flex_attention`` mask and pack sequences their
-    own way."""
+    ``sdpa``, ``eager`` or a FlashAttention implementation is patched: ``eager``'s masks are
+    ``sdpa``'s as 0 and ``finfo.min``, the two agree at every query that sees a key (`_kernel_mask`),
+    and a patched model builds ``sdpa``'s (`IMPLEMENTATION`), which keep padded keys and packed
+    documents (restarting ``position_ids``) apart as flash's unpadding and varlen calls do; flash's
+    ``cu_seq_lens_*`` are read too (`_varlen_attention_forward`). ``flex_attention`` and the paged
+    implementations mask sequences their own way (block masks, a paged cache)."""
     if not wanted:
         return "transformers' attention asked for (attention=False): masks and padding as it handles them"
     if getattr(config, "attention_dropout", 0.0):
         return f"attention dropout {config.attention_dropout} is not in kpt's attention contract"
-    if config._attn_implementation not in ("sdpa", "eager"):
-        return (f"attn_implementation={config._attn_implementation!r} masks and packs sequences its own way, "
-                "not as sdpa does; load the model with attn_implementation='sdpa' or 'eager' for kpt's")
+    if config._attn_implementation not in ("sdpa", "eager") and not _flash_style(config):
+        return (f"attn_implementation={config._attn_implementation!r} masks sequences its own way, not as sdpa or "
+                "flash attention do; load the model with attn_implementation='sdpa', 'eager' or "
+                "'flash_attention_2' for kpt's")
     if not 16 <= module.head_dim <= 256:
         return f"head_dim {module.head_dim} is outside kpt's attention range 16..256"
     return None
