@@ -259,6 +259,35 @@ def test_padded_generation_gives_transformers_tokens(family: str, dtype: torch.d
         assert torch.equal(patched.generate(tokens, **kw), hf.generate(tokens, **kw))
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_each_decode_step_runs_the_split_kv_decode_kernel(cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the cuda backend (through Triton's interpreter on a CPU machine, where kpt-cuda runs its
+    portable kernels), batched greedy ``generate()`` of a left-padded batch gives transformers' tokens,
+    and every decode step's attention (one query against the cache, with its padding mask) runs
+    kpt-triton's split-KV decode kernel. (On Hopper a single query goes to cuDNN instead:
+    kpt_cuda.attention.)"""
+    attention = pytest.importorskip("kpt_triton.attention")
+    decoded: list[tuple[int, ...]] = []
+    decode = attention._decode
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> object:
+        decoded.append(tuple(q.shape))
+        return decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_decode", spy)
+    hf, patched = pair("llama")
+    tokens, mask, _ = padded_batch("left")
+    new = 4
+    kw = {**GREEDY, "max_new_tokens": new, "min_new_tokens": new, "attention_mask": mask}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad(), kpt.use_backend("cuda"):
+        assert torch.equal(patched.generate(tokens, **kw), hf.generate(tokens, **kw))
+    steps = [shape for shape in decoded if shape[2] == 1]
+    # every step after the prompt's, in each of the model's layers
+    assert len(steps) == (new - 1) * TINY["num_hidden_layers"], decoded
+
+
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_the_loss_of_a_bfloat16_model_is_float32(family: str) -> None:
     oracle, _ = pair(family, torch.float64)
