@@ -5,7 +5,7 @@ static cache.
 
     python scripts/bench_models.py train    --steps 100 --out results/   # 3 architectures x 5 modes
     python scripts/bench_models.py sft      --steps 60  --out results/   # padded and packed batches
-    python scripts/bench_models.py generate --out results/               # batch 1 and 16
+    python scripts/bench_models.py generate --out results/               # batch 1 and 16, both caches
     python scripts/bench_models.py table results/                        # the Markdown tables
 
 Each run is its own process (its compile caches and peak memory are its own); the runs of one
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--archs", default="llama-125m,qwen3-151k,mistral-gqa")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--batches", default="1,16", help="generate: the batch sizes")
+    p.add_argument("--caches", default="dynamic,static", help="generate: the caches")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "generate":
         for batch in map(int, args.batches.split(",")):
             for mode in args.modes.split(","):
-                for cache in ("dynamic", "static"):
+                for cache in args.caches.split(","):
                     launch(out, f"generate-b{batch}-{mode}-{cache}", "generate", "llama-1.3b", mode, cache,
                            str(batch), "128", "128")
     else:
