@@ -125,8 +125,9 @@ def test_flash_varlen_offsets_keep_packed_documents_apart(family: str) -> None:
     (``cu_seq_lens_q``/``cu_seq_lens_k``) and no restarting positions: each document attends only to
     itself, as flash's varlen call computes; the oracle runs each document alone through the unpatched
     model at the same positions. Logits, loss (labels masked at each document's first token, as the
-    collator marks them) and gradients agree, eager and under ``torch.compile(fullgraph=True)`` on the
-    reference backend, and eager on the cuda backend (Triton's interpreter on a CPU machine)."""
+    collator marks them) and gradients agree: the documents as a batch of their own (eager, compiled,
+    and on the cuda backend through Triton's interpreter on a CPU machine), and as a mask (compiled
+    without ``max_length_q``, which the graph cannot read from the offsets)."""
     hf, flash = flash_pair(family)
     summary = str(flash.kpt_summary)
     assert "cu_seq_lens" in summary and "flash_attention_2' -> 'kpt'" in summary, summary
@@ -142,9 +143,13 @@ def test_flash_varlen_offsets_keep_packed_documents_apart(family: str) -> None:
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
-    for model, backend in ((flash, "reference"), (torch.compile(flash, fullgraph=True), "reference"), (flash, "cuda")):
+    compiled = torch.compile(flash, fullgraph=True)
+    lengths = {k: v for k, v in varlen.items() if not k.startswith("max_length")}
+    for model, backend, given in ((flash, "reference", varlen), (flash, "reference", lengths),
+                                  (compiled, "reference", varlen), (compiled, "reference", lengths),
+                                  (flash, "cuda", varlen)):
         with kpt.use_backend(backend):
-            p_logits, p_loss, p_grads = run(model, input_ids=tokens, labels=labels, **varlen)
+            p_logits, p_loss, p_grads = run(model, input_ids=tokens, labels=labels, **given)
         close(p_logits, logits.detach(), "logits")
         close(p_loss, loss.detach(), "loss")
         for name, g in grads.items():
@@ -152,14 +157,15 @@ def test_flash_varlen_offsets_keep_packed_documents_apart(family: str) -> None:
 
 
 def test_flash_varlen_offsets_kpt_cannot_follow_are_refused() -> None:
-    """Offsets that do not cover the batch's tokens, or differ for queries and keys, raise; a model
-    loaded with ``sdpa`` ignores the offsets, as transformers' ``sdpa`` does."""
+    """Offsets that do not cover the batch's tokens, differ for queries and keys, or hold a document
+    longer than ``max_length_q`` raise; a model loaded with ``sdpa`` ignores the offsets, as
+    transformers' ``sdpa`` does."""
     hf, flash = flash_pair("llama")
     tokens = torch.randint(1, TINY["vocab_size"], (1, DOCUMENTS[-1]))
     cu = torch.tensor(DOCUMENTS, dtype=torch.int32)
     short, other = torch.tensor((0, 5, 8), dtype=torch.int32), torch.tensor((0, 6, 8, 15), dtype=torch.int32)
     for given in ({"cu_seq_lens_q": short, "cu_seq_lens_k": short}, {"cu_seq_lens_q": cu, "cu_seq_lens_k": other},
-                  {"cu_seq_lens_q": cu}):
+                  {"cu_seq_lens_q": cu}, {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 5}):
         with pytest.raises(kpt.KernelNotSupportedError, match="cu_seq_lens_q and cu_seq_lens_k"):
             flash(tokens, **given)
     _, patched = pair("llama")

@@ -136,23 +136,35 @@ def _varlen_attention_forward(self: Any, hidden_states: Tensor, position_embeddi
     packed batches may come as FlashAttention's varlen inputs: ``cu_seq_lens_q``/``cu_seq_lens_k``
     (cumulative document lengths over the flattened batch, as ``DataCollatorWithFlattening(
     return_flash_attn_kwargs=True)`` gives them) keep the documents apart, as flash's varlen call
-    does (`_document_mask`); restarting ``position_ids`` do through the mask transformers builds."""
+    does; restarting ``position_ids`` do through the mask transformers builds.
+
+    With no other mask, the documents run as a batch of their own (`_attend_documents`): no
+    ``[S, S]`` mask, no work across documents, and the causal kernels without a mask (on Hopper,
+    kpt-cuda's fused ones). With a mask (padding, a sliding window the documents reach), or under
+    ``torch.compile`` without ``max_length_q``, the documents' mask is combined with it
+    (`_document_mask`)."""
     q, k, v, shape = _rotated(self, hidden_states, position_embeddings, kwargs)
     causal, mask, k, v = _kernel_mask(self, attention_mask, q, k, v)
-    documents = _document_mask(self.layer_idx, kwargs, q.shape[0], q.shape[2], k.shape[2], q.device)
-    if documents is not None:
-        mask = documents if mask is None else mask & documents
-    out = knn.backend(q).attention(q, k, v, causal, self.scaling, mask)
+    offsets = _offsets(self.layer_idx, kwargs, q.shape[0], q.shape[2], k.shape[2], q.device)
+    backend = knn.backend(q)
+    if offsets is not None and mask is None and causal and offsets[1] is not None:
+        out = _attend_documents(backend, q, k, v, *offsets, self.scaling)
+    else:
+        if offsets is not None:
+            documents = _document_mask(offsets[0], q.shape[0], q.shape[2])
+            mask = documents if mask is None else mask & documents
+        out = backend.attention(q, k, v, causal, self.scaling, mask)
     return knn.project_heads(self.o_proj, out), None
 
 
-def _document_mask(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv: int,
-                   device: torch.device) -> Tensor | None:
-    """``[B, 1, S, S]`` bool, ``True`` where query and key lie in one document of the flattened batch
-    that FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` (in ``kwargs``) delimit: token ``t`` of
-    the flattened ``B * S`` tokens lies in document ``d`` when ``cu[d] <= t < cu[d + 1]``. ``None``
-    without them. Packed documents have no cache: the offsets must be one for queries and keys
-    (checked on the host, or in the graph under ``torch.compile``) and cover the ``B * S`` tokens."""
+def _offsets(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv: int,
+             device: torch.device) -> tuple[Tensor, int | None] | None:
+    """``(cu, longest)`` from FlashAttention's varlen inputs in ``kwargs``, or ``None`` without them:
+    the document offsets ``cu`` over the flattened ``B * S`` tokens (document ``d`` holds tokens
+    ``cu[d] <= t < cu[d + 1]``) and the longest document's length as an int (``max_length_q``; read
+    from ``cu`` outside ``torch.compile`` when not given, else ``None``). Packed documents have no
+    cache: the offsets must be one for queries and keys, run from 0 to ``B * S`` and hold no document
+    longer than ``longest`` (checked on the host, or in the graph under ``torch.compile``)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         return None
@@ -162,20 +174,62 @@ def _document_mask(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv:
             f"({'one of them' if cu_q is None or cu_k is None else f'for {sq} queries and {skv} keys'}); kpt's "
             "attention takes packed documents with one set of offsets for queries and keys and no cache; pass "
             "both (as DataCollatorWithFlattening(return_flash_attn_kwargs=True) does), or position_ids that restart")
-    message = (f"kpt.patch: attention layer {layer} was given cu_seq_lens_q and cu_seq_lens_k that differ or do "
-               f"not run from 0 to the {batch * sq} tokens of the batch; kpt's attention takes one set of document "
-               "offsets for queries and keys, covering the flattened batch")
-    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.numel() < 2:
+    message = (f"kpt.patch: attention layer {layer} was given cu_seq_lens_q and cu_seq_lens_k that differ, do "
+               f"not run from 0 to the {batch * sq} tokens of the batch, or hold a document longer than "
+               "max_length_q; kpt's attention takes one set of document offsets for queries and keys, covering "
+               "the flattened batch")
+    if not isinstance(cu_q, Tensor) or cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.numel() < 2:
         raise KernelNotSupportedError(message)
     cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    compiling = torch.compiler.is_compiling()
+    longest = kwargs.get("max_length_q")
+    if isinstance(longest, Tensor):
+        longest = None if compiling else int(longest)
+    if longest is None and not compiling:
+        longest = int((cu_q[1:] - cu_q[:-1]).max())
     exact = (cu_q == cu_k).all() & (cu_q[0] == 0) & (cu_q[-1] == batch * sq)
-    if torch.compiler.is_compiling():
+    if longest is not None:
+        exact &= ((cu_q[1:] - cu_q[:-1]) <= longest).all()
+    if compiling:
         torch._assert_async(exact, message)  # a graph reads no value on the host: the run fails instead
     elif not bool(exact):
         raise KernelNotSupportedError(message)
-    tokens = torch.arange(batch * sq, device=device, dtype=cu_q.dtype)
-    document = torch.searchsorted(cu_q[1:], tokens, right=True).view(batch, sq)
+    return cu_q, longest
+
+
+def _document_of(cu: Tensor, batch: int, sq: int) -> Tensor:
+    """``[B, S]``: the document of each token (its place in the flattened batch between offsets ``cu``)."""
+    tokens = torch.arange(batch * sq, device=cu.device, dtype=cu.dtype)
+    return torch.searchsorted(cu[1:], tokens, right=True).view(batch, sq)
+
+
+def _document_mask(cu: Tensor, batch: int, sq: int) -> Tensor:
+    """``[B, 1, S, S]`` bool, ``True`` where query and key lie in one document (offsets ``cu``)."""
+    document = _document_of(cu, batch, sq)
     return (document[:, :, None] == document[:, None, :])[:, None]
+
+
+def _attend_documents(backend: Any, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int,
+                      scale: float) -> Tensor:
+    """Causal attention within each document of the flattened batch (offsets ``cu``, none longer than
+    ``longest``): the documents gathered as a batch of ``[len(cu) - 1, H, longest, D]`` rows, each
+    padded at its end, through the unmasked causal kernel, and the real rows scattered back. A real
+    query sees only keys before it, all of its own document; the padding rows are never read back
+    (their outputs get no gradient, so neither do the keys only they see)."""
+    b, hq, s, d = q.shape
+    starts = cu[:-1].long()
+    lengths = cu[1:].long() - starts
+    step = torch.arange(longest, device=q.device)
+    rows = torch.where(step[None, :] < lengths[:, None], starts[:, None] + step[None, :], 0)  # [documents, longest]
+
+    def gather(t: Tensor) -> Tensor:
+        flat = t.transpose(1, 2).reshape(b * s, t.shape[1], d)
+        return flat[rows].transpose(1, 2)  # [documents, H, longest, D]
+
+    out = backend.attention(gather(q), gather(k), gather(v), True, scale, None)
+    document = _document_of(cu, b, s).reshape(-1).long()
+    slot = document * longest + torch.arange(b * s, device=q.device) - starts[document]
+    return out.transpose(1, 2).reshape(-1, hq, d)[slot].reshape(b, s, hq, d).transpose(1, 2)
 
 
 IMPLEMENTATION = "kpt"
