@@ -119,15 +119,18 @@ DOCUMENTS = (0, 5, 8, 15)
 ``cu_seq_lens_*`` give them."""
 
 
+@pytest.mark.parametrize("positions", ["running", "restarting"])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_flash_varlen_offsets_keep_packed_documents_apart(family: str) -> None:
+def test_flash_varlen_offsets_keep_packed_documents_apart(family: str, positions: str) -> None:
     """A model loaded with ``flash_attention_2`` and given FlashAttention's varlen offsets
-    (``cu_seq_lens_q``/``cu_seq_lens_k``) and no restarting positions: each document attends only to
-    itself, as flash's varlen call computes; the oracle runs each document alone through the unpatched
-    model at the same positions. Logits, loss (labels masked at each document's first token, as the
-    collator marks them) and gradients agree: the documents as a batch of their own (eager, compiled,
-    and on the cuda backend through Triton's interpreter on a CPU machine), and as a mask (compiled
-    without ``max_length_q``, which the graph cannot read from the offsets)."""
+    (``cu_seq_lens_q``/``cu_seq_lens_k``): each document attends only to itself, as flash's varlen
+    call computes; the oracle runs each document alone through the unpatched model at the same
+    positions: ``running`` on through the row (no ``position_ids``: transformers builds no mask), or
+    ``restarting`` at each document as ``DataCollatorWithFlattening`` gives them (transformers then
+    builds the packed documents' mask too). Logits, loss (labels masked at each document's first
+    token, as the collator marks them) and gradients agree: the documents as a batch of their own
+    (eager, compiled, and on the cuda backend through Triton's interpreter on a CPU machine), and as
+    a mask (compiled without ``max_length_q``, which the graph cannot read from the offsets)."""
     hf, flash = flash_pair(family)
     summary = str(flash.kpt_summary)
     assert "cu_seq_lens" in summary and "flash_attention_2' -> 'kpt'" in summary, summary
@@ -135,11 +138,14 @@ def test_flash_varlen_offsets_keep_packed_documents_apart(family: str) -> None:
     labels = tokens.clone()
     labels[0, list(DOCUMENTS[:-1])] = -100
     cu = torch.tensor(DOCUMENTS, dtype=torch.int32)
+    spans = list(zip(DOCUMENTS[:-1], DOCUMENTS[1:]))
+    at = {span: torch.arange(*span)[None] - (span[0] if positions == "restarting" else 0) for span in spans}
     varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 7, "max_length_k": 7}
+    if positions == "restarting":
+        varlen["position_ids"] = torch.cat(list(at.values()), dim=1)
 
     hf.zero_grad()
-    spans = list(zip(DOCUMENTS[:-1], DOCUMENTS[1:]))
-    logits = torch.cat([hf(tokens[:, a:b], position_ids=torch.arange(a, b)[None]).logits for a, b in spans], dim=1)
+    logits = torch.cat([hf(tokens[:, a:b], position_ids=at[a, b]).logits for a, b in spans], dim=1)
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in hf.named_parameters()}

@@ -115,6 +115,13 @@ class Backend(KernelMethods):
         the contract's own cases only says False, and why, in its override."""
         return True
 
+    def beyond_format(self, kernel: str, args: Mapping[str, Any]) -> str | None:
+        """Why a valid call of ``kernel`` with ``args`` lies beyond what this backend's number format
+        resolves (its conformance cases of that kind are declared expected failures), else None:
+        the conformance suite's fuzzing draws no such call. Every call by default; a fixed-point
+        design names the data its format cannot hold or resolve."""
+        return None
+
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         """A tolerance other than the default table's, with its reason; None keeps the default."""
         return None

@@ -138,17 +138,17 @@ def _varlen_attention_forward(self: Any, hidden_states: Tensor, position_embeddi
     return_flash_attn_kwargs=True)`` gives them) keep the documents apart, as flash's varlen call
     does; restarting ``position_ids`` do through the mask transformers builds.
 
-    With no other mask, the documents run as a batch of their own (`_attend_documents`): no
-    ``[S, S]`` mask, no work across documents, and the causal kernels without a mask (on Hopper,
-    kpt-cuda's fused ones). With a mask (padding, a sliding window the documents reach), or under
-    ``torch.compile`` without ``max_length_q``, the documents' mask is combined with it
+    A batch of one row (the collator's flattened batch) runs its documents as a batch of their own
+    (`_attend_documents`): no work across documents, and without another mask the causal kernels
+    with no mask at all (on Hopper, kpt-cuda's fused ones). Otherwise (several rows, or under
+    ``torch.compile`` without ``max_length_q``) the documents' mask is combined with the given one
     (`_document_mask`)."""
     q, k, v, shape = _rotated(self, hidden_states, position_embeddings, kwargs)
     causal, mask, k, v = _kernel_mask(self, attention_mask, q, k, v)
     offsets = _offsets(self.layer_idx, kwargs, q.shape[0], q.shape[2], k.shape[2], q.device)
     backend = knn.backend(q)
-    if offsets is not None and mask is None and causal and offsets[1] is not None:
-        out = _attend_documents(backend, q, k, v, *offsets, self.scaling)
+    if offsets is not None and offsets[1] is not None and causal and q.shape[0] == 1:
+        out = _attend_documents(backend, q, k, v, mask, *offsets, self.scaling)
     else:
         if offsets is not None:
             documents = _document_mask(offsets[0], q.shape[0], q.shape[2])
@@ -209,27 +209,27 @@ def _document_mask(cu: Tensor, batch: int, sq: int) -> Tensor:
     return (document[:, :, None] == document[:, None, :])[:, None]
 
 
-def _attend_documents(backend: Any, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int,
-                      scale: float) -> Tensor:
-    """Causal attention within each document of the flattened batch (offsets ``cu``, none longer than
-    ``longest``): the documents gathered as a batch of ``[len(cu) - 1, H, longest, D]`` rows, each
-    padded at its end, through the unmasked causal kernel, and the real rows scattered back. A real
-    query sees only keys before it, all of its own document; the padding rows are never read back
-    (their outputs get no gradient, so neither do the keys only they see)."""
-    b, hq, s, d = q.shape
+def _attend_documents(backend: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu: Tensor,
+                      longest: int, scale: float) -> Tensor:
+    """Causal attention within each document of one row (offsets ``cu``, none longer than
+    ``longest``): the documents gathered as a batch of ``[len(cu) - 1, H, longest, D]``, each padded
+    at its end, with the part of ``mask`` (``[1, H | 1, S, S]``) within each document, and the real
+    rows scattered back. A real query sees only keys before it, all of its own document; the padding
+    rows are never read back (their outputs get no gradient, so neither do the keys only they see)."""
+    _, hq, s, d = q.shape
     starts = cu[:-1].long()
     lengths = cu[1:].long() - starts
     step = torch.arange(longest, device=q.device)
     rows = torch.where(step[None, :] < lengths[:, None], starts[:, None] + step[None, :], 0)  # [documents, longest]
 
     def gather(t: Tensor) -> Tensor:
-        flat = t.transpose(1, 2).reshape(b * s, t.shape[1], d)
-        return flat[rows].transpose(1, 2)  # [documents, H, longest, D]
+        return t[0].transpose(0, 1)[rows].transpose(1, 2)  # [documents, H, longest, D]
 
-    out = backend.attention(gather(q), gather(k), gather(v), True, scale, None)
-    document = _document_of(cu, b, s).reshape(-1).long()
-    slot = document * longest + torch.arange(b * s, device=q.device) - starts[document]
-    return out.transpose(1, 2).reshape(-1, hq, d)[slot].reshape(b, s, hq, d).transpose(1, 2)
+    within = None if mask is None else mask[0][:, rows[:, :, None], rows[:, None, :]].transpose(0, 1)
+    out = backend.attention(gather(q), gather(k), gather(v), True, scale, within)
+    document = _document_of(cu, 1, s)[0].long()
+    slot = document * longest + torch.arange(s, device=q.device) - starts[document]
+    return out.transpose(1, 2).reshape(-1, hq, d)[slot].transpose(0, 1)[None]
 
 
 IMPLEMENTATION = "kpt"

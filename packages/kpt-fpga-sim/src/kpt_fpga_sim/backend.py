@@ -154,6 +154,22 @@ class FpgaSimBackend(Backend):
         relu linear's dweight at K = 257: 10-19x); the forward results of fuzzed calls are checked."""
         return self._fixed_format(kernel) is None
 
+    def beyond_format(self, kernel: str, args: Mapping[str, Any]) -> str | None:
+        """In a fixed-point format: data beyond its range or all below its LSB (`data_scale`), and a
+        normalization's row whose scale σ is so few LSB that its ``y`` cannot be resolved
+        (`smallest_sigma` below the σ of `NORMALIZATION_FLOOR_AT_MOST`): the kinds of data of the
+        conformance cases this format declares failures (``huge``, ``tiny``, ``eps_comparable``)."""
+        fmt = self._fixed_format(kernel)
+        if fmt is None:
+            return None
+        if data_scale(fmt, args, PROBABILITY_INPUTS.get(kernel, ())) is None:
+            return f"data beyond {fmt}'s range or below its LSB"
+        if kernel in NORMALIZATIONS:
+            sigma, least = smallest_sigma(kernel, args), normalization_min_sigma(kernel, fmt)
+            if sigma is not None and sigma <= least:
+                return f"a row of scale σ = {sigma:.3g}, at most {least:.3g} ({least / fmt.lsb:.0f} LSB of {fmt})"
+        return None
+
     def tolerance(self, kernel: str, dtype: torch.dtype) -> Tolerance | None:
         fmt = self._fixed_format(kernel)
         return None if fmt is None else fixed_tolerance(kernel, fmt)
@@ -176,8 +192,7 @@ class FpgaSimBackend(Backend):
             roundings = max(roundings, weight_roundings(args[through[0]].shape[-1]))
         scale = data_scale(fmt, args, PROBABILITY_INPUTS.get(kernel, ()))
         if scale is not None and kernel in NORMALIZATIONS and output == "y":
-            min_sigma = roundings * rounding(fmt) / NORMALIZATION_FLOOR_AT_MOST
-            scale = max(scale, normalization_gain(kernel, args, min_sigma))
+            scale = max(scale, normalization_gain(kernel, args, normalization_min_sigma(kernel, fmt)))
         return fixed_tolerance(kernel, fmt, roundings, scale)
 
     def perf_bar(self, kernel: str, mode: str) -> PerfBar:
@@ -277,17 +292,29 @@ def normalization_gain(kernel: str, args: Mapping[str, Any], min_sigma: float = 
     0 for a call without elements, and where that row's σ is at most ``min_sigma``: the caller
     passes the σ below which the floor would exceed `NORMALIZATION_FLOOR_AT_MOST` of max|w|, the
     scale of y itself, and so would check little or nothing."""
+    sigma = smallest_sigma(kernel, args)
+    if sigma is None or sigma <= min_sigma:
+        return 0.0
+    weight = SPECS[kernel].bind((), dict(args))["weight"]
+    return (1.0 if weight is None else float(weight.detach().abs().max())) / sigma
+
+
+def smallest_sigma(kernel: str, args: Mapping[str, Any]) -> float | None:
+    """The scale σ of a normalization call's smallest row (in float64, from the contract's own
+    ``rstd``); None for a call without elements."""
     spec = SPECS[kernel]
     bound = {n: v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else v
              for n, v in spec.bind((), dict(args)).items()}
     if bound["x"].numel() == 0:
-        return 0.0
+        return None
     rstd = spec.forward(*spec.forward_values(bound, False))[-1]  # the contract's 1 / σ of each row
-    sigma = 1.0 / float(rstd.max())
-    if sigma <= min_sigma:
-        return 0.0
-    weight = bound["weight"]
-    return (1.0 if weight is None else float(weight.abs().max())) / sigma
+    return 1.0 / float(rstd.max())
+
+
+def normalization_min_sigma(kernel: str, fmt: ApFixed) -> float:
+    """The σ below which a normalization's gain would give ``y`` a floor above
+    `NORMALIZATION_FLOOR_AT_MOST` of its scale (`normalization_gain`)."""
+    return ROUNDINGS[kernel] * rounding(fmt) / NORMALIZATION_FLOOR_AT_MOST
 
 
 UNSCALED_ROUNDINGS = 2

@@ -13,6 +13,9 @@ Hypothesis draws one valid call of a kernel at a time:
 * **special values** (`kpt.SPECIAL_VALUES`, those `kpt.Backend.special_values` takes) written into one
   float input: ±0, subnormals, ±max, ±inf, NaN.
 
+A call whose data the backend's number format cannot hold or resolve (`kpt.Backend.beyond_format`:
+a fixed-point design's declared failures) is not drawn.
+
 The result must match the float64 oracle within the backend's tolerance, with the contract's rule
 for special values (`kpt.kernels`, "Special values"): a NaN or infinity of the inputs reaches
 exactly the outputs the reference math carries it to, and an output may be non-finite beyond
@@ -38,7 +41,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, seed, settings
+from hypothesis import HealthCheck, Phase, assume, given, note, seed, settings
 from hypothesis import strategies as st
 
 import kpt
@@ -330,6 +333,8 @@ def valid_calls(draw: Any, spec: kpt.KernelSpec, dtypes: tuple[torch.dtype, ...]
     if special is not None and inputs.special_targets:
         target = draw(st.sampled_from(range(len(inputs.special_targets))), label="special values' input")
         _write_special(inputs.special_targets[target], special, inputs.g)
+    # data the backend's number format cannot hold or resolve: its declared failures, not drawn
+    assume(backend.beyond_format(spec.name, args) is None)
     layouts = {name: draw(st.sampled_from([k for k in LAYOUTS
                                            if k != "expanded" or (spec.name, name) not in NOT_EXPANDED]),
                           label=f"layout of {name}")
