@@ -48,13 +48,14 @@ def validate_toy_scale(a: Args, dtypes: tuple[torch.dtype, ...]) -> Args:
 
 
 def toy_scale_fwd(x: Tensor, alpha: float) -> tuple[Tensor]:
-    return ((x.to(compute_dtype(x.dtype)) * alpha + 1).to(x.dtype),)
+    # contiguous, as the contract's outputs are: elementwise ops keep a transposed input's layout
+    return ((x.to(compute_dtype(x.dtype)) * alpha + 1).to(x.dtype).contiguous(),)
 
 
 def toy_scale_bwd(x: Tensor, alpha: float, y: Tensor, dy: Tensor | None) -> tuple[Tensor]:
     if dy is None:
         return (torch.zeros_like(x),)
-    return ((dy.to(compute_dtype(x.dtype)) * alpha).to(x.dtype),)
+    return ((dy.to(compute_dtype(x.dtype)) * alpha).to(x.dtype).contiguous(),)
 
 
 def _case(name: str, *shape: int, layout=lambda t: t) -> Case:
