@@ -147,11 +147,12 @@ def _varlen_attention_forward(self: Any, hidden_states: Tensor, position_embeddi
     causal, mask, k, v = _kernel_mask(self, attention_mask, q, k, v)
     offsets = _offsets(self.layer_idx, kwargs, q.shape[0], q.shape[2], k.shape[2], q.device)
     backend = knn.backend(q)
-    if offsets is not None and offsets[1] is not None and causal and q.shape[0] == 1:
-        out = _attend_documents(backend, q, k, v, mask, *offsets, self.scaling)
+    cu, longest = offsets if offsets is not None else (None, None)
+    if cu is not None and longest is not None and causal and q.shape[0] == 1:
+        out = _attend_documents(backend, q, k, v, mask, cu, longest, self.scaling)
     else:
-        if offsets is not None:
-            documents = _document_mask(offsets[0], q.shape[0], q.shape[2])
+        if cu is not None:
+            documents = _document_mask(cu, q.shape[0], q.shape[2])
             mask = documents if mask is None else mask & documents
         out = backend.attention(q, k, v, causal, self.scaling, mask)
     return knn.project_heads(self.o_proj, out), None
