@@ -355,9 +355,9 @@ def test_public_api() -> None:
 def test_calls_beyond_the_format_are_named_and_not_fuzzed(fx, be) -> None:
     """A fuzzed rms_norm call (CI, 2026-12-05): a row of one element x = -0.0053, so σ = 0.0062 (6 LSB
     of ap_fixed<16,6>), where rounding x by half an LSB moves y by 0.02 (dy/dx = eps / σ³ = 43): the
-    format's ``tiny``/``eps_comparable`` failure, drawn at random. Such a call, and data beyond the
-    format's range, are named beyond the format (the suite's fuzzing draws none); rows of unit scale
-    and the float32 mode are not."""
+    format's ``tiny``/``eps_comparable`` failure, drawn at random. Such a call, and data or outputs
+    beyond the format's range, are named beyond the format (the suite's fuzzing draws none); rows of
+    unit scale and the float32 mode are not."""
     x = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
     x[10] = -0.0053
     why = fx.beyond_format("rms_norm", {"x": x, "weight": None, "eps": 1e-5})
@@ -366,4 +366,10 @@ def test_calls_beyond_the_format_are_named_and_not_fuzzed(fx, be) -> None:
     assert fx.beyond_format("rms_norm", {"x": x, "weight": None, "eps": 1e-5}) is None
     assert "range" in fx.beyond_format("silu", {"x": torch.tensor([40.0])})
     assert fx.beyond_format("silu", {"x": torch.tensor([3.0])}) is None
+    # a fuzzed moe_combine (seed 77): every expert row the same, weights summing to 9.5: an output of
+    # 34.1 saturates at 32
+    row = torch.full((1, 4), 3.58).expand(8, 4)
+    combine = {"y_sorted": row, "order": torch.arange(8, dtype=torch.int32), "weights": torch.full((1, 8), 1.19)}
+    assert "output beyond" in fx.beyond_format("moe_combine", combine)
+    assert fx.beyond_format("moe_combine", {**combine, "weights": torch.full((1, 8), 0.5)}) is None
     assert be.beyond_format("rms_norm", {"x": torch.full((2, 1), 1e-3), "weight": None, "eps": 1e-5}) is None

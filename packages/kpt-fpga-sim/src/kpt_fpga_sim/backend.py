@@ -24,6 +24,8 @@ import torch
 
 from kpt import SPECIAL_VALUES, Backend, Kernel, PerfBar, Tolerance, default_tolerance, kernels_from
 from kpt.kernels import SPECS
+from kpt.ops import as_tuple
+from kpt.testing import oracle_backend, to_oracle
 
 from . import kernels as kernel_modules
 from .config import SimConfig, from_environment, make_config
@@ -155,15 +157,20 @@ class FpgaSimBackend(Backend):
         return self._fixed_format(kernel) is None
 
     def beyond_format(self, kernel: str, args: Mapping[str, Any]) -> str | None:
-        """In a fixed-point format: data beyond its range or all below its LSB (`data_scale`), and a
-        normalization's row whose scale σ is so few LSB that its ``y`` cannot be resolved
-        (`smallest_sigma` below the σ of `NORMALIZATION_FLOOR_AT_MOST`): the kinds of data of the
-        conformance cases this format declares failures (``huge``, ``tiny``, ``eps_comparable``)."""
+        """In a fixed-point format: data beyond its range or all below its LSB (`data_scale`), outputs
+        beyond its range (the contract's in float64: they saturate), and a normalization's row whose
+        scale σ is so few LSB that its ``y`` cannot be resolved (`smallest_sigma` below the σ of
+        `NORMALIZATION_FLOOR_AT_MOST`): the kinds of data of the conformance cases this format
+        declares failures (``huge``, ``tiny``, ``eps_comparable``)."""
         fmt = self._fixed_format(kernel)
         if fmt is None:
             return None
         if data_scale(fmt, args, PROBABILITY_INPUTS.get(kernel, ())) is None:
             return f"data beyond {fmt}'s range or below its LSB"
+        top = fmt.max_raw * fmt.lsb
+        outputs = as_tuple(oracle_backend().call(kernel, **{n: to_oracle(v) for n, v in args.items()}))
+        if any(o.is_floating_point() and o.numel() and float(o.abs().max()) > top for o in outputs):
+            return f"an output beyond {fmt}'s range (|y| <= {top:g})"
         if kernel in NORMALIZATIONS:
             sigma, least = smallest_sigma(kernel, args), normalization_min_sigma(kernel, fmt)
             if sigma is not None and sigma <= least:
