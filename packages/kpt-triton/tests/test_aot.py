@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kpt_triton import aot
 
@@ -78,7 +79,14 @@ def test_the_exit_code_is_nonzero_on_any_problem(monkeypatch, problems, code):
     called = []
     monkeypatch.setattr(aot, "check", lambda *a: called.append(a) or problems)
     assert aot.main(["--backend", "rocm", "--arch", "gfx942"]) == code
-    assert called == [("rocm", "gfx942", 2, False)]
+    assert aot.main(["--backend", "rocm", "--arch", "gfx942", "--dtypes", "float32,bfloat16"]) == code
+    assert called == [("rocm", "gfx942", 2, False, (torch.float32, torch.float16, torch.bfloat16)),
+                      ("rocm", "gfx942", 2, False, (torch.float32, torch.bfloat16))]
+
+
+def test_an_unknown_dtype_is_refused():
+    with pytest.raises(SystemExit):
+        aot.main(["--backend", "rocm", "--arch", "gfx942", "--dtypes", "float32,half"])
 
 
 def test_the_interpreter_is_refused(monkeypatch):

@@ -133,10 +133,11 @@ def _inputs(mode: FakeTensorMode, case: kpt.Case, dtype: torch.dtype) -> dict[st
         return {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in real.items()}
 
 
-def record_launches(backend: TritonBackend, target: Target, perf_only: bool = False) -> list[Launch]:
-    """Every launch of every kernel, forward and backward, over the conformance cases (all
-    dtypes; not with ``perf_only``) and the device-only ones: the docs/performance.md shapes and the
-    other large cases (bfloat16), with ``backend``'s tuning."""
+def record_launches(backend: TritonBackend, target: Target, perf_only: bool = False,
+                    dtypes: tuple[torch.dtype, ...] = kpt.FLOAT_DTYPES) -> list[Launch]:
+    """Every launch of every kernel, forward and backward, over the conformance cases (in each of
+    ``dtypes`` a case takes; not with ``perf_only``) and the device-only ones: the
+    docs/performance.md shapes and the other large cases (bfloat16), with ``backend``'s tuning."""
     kernels = backend.kernels()
     functions = kpt.ops.eager_functions(kernels)
     mode = FakeTensorMode()
@@ -145,7 +146,8 @@ def record_launches(backend: TritonBackend, target: Target, perf_only: bool = Fa
             for case in spec.cases():
                 if perf_only and not case.device_only:
                     continue
-                for dtype in (torch.bfloat16,) if case.device_only else case.dtypes or kpt.FLOAT_DTYPES:
+                for dtype in (torch.bfloat16,) if case.device_only else [
+                        d for d in case.dtypes or kpt.FLOAT_DTYPES if d in dtypes]:
                     args = _inputs(mode, case, dtype)
                     with mode, contextlib.suppress(DataDependentOutputException):
                         # a body that reads device values on the host (`kpt_triton.products`'
@@ -278,7 +280,8 @@ def _compile_or_error(args: tuple[Launch, str]) -> Compiled | str:
         return f"{args[0].name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def check(backend_name: str, arch: str, jobs: int, perf_only: bool = False) -> int:
+def check(backend_name: str, arch: str, jobs: int, perf_only: bool = False,
+          dtypes: tuple[torch.dtype, ...] = kpt.FLOAT_DTYPES) -> int:
     """Compile, print the table, and return the number of problems."""
     if triton.knobs.runtime.interpret:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
@@ -292,7 +295,7 @@ def check(backend_name: str, arch: str, jobs: int, perf_only: bool = False) -> i
     # one compile per kernel, argument types, constexprs and options: launches that differ only
     # in the alignment or value-1 specialization of their arguments compile to the same tiles
     unique: dict[tuple[Any, ...], Launch] = {}
-    for launch in record_launches(backend, TARGETS[arch], perf_only):
+    for launch in record_launches(backend, TARGETS[arch], perf_only, dtypes):
         options, signature, constexprs, _ = _specialization(launch, TARGETS[arch])
         key = (launch.module, launch.name, str(signature), str(constexprs), str(sorted(options.__dict__.items())))
         unique.setdefault(key, launch)
@@ -335,8 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes")
     parser.add_argument("--perf-shapes", action="store_true",
                         help="only the docs/performance.md shapes (bfloat16), not every conformance case")
+    parser.add_argument("--dtypes", default=",".join(str(d).removeprefix("torch.") for d in kpt.FLOAT_DTYPES),
+                        help="the conformance cases' dtypes to compile (default: every one)")
     args = parser.parse_args(argv)
-    return 1 if check(args.backend, args.arch, args.jobs, args.perf_shapes) else 0
+    named = {str(d).removeprefix("torch."): d for d in kpt.FLOAT_DTYPES}
+    unknown = [name for name in args.dtypes.split(",") if name not in named]
+    if unknown:
+        parser.error(f"--dtypes: {', '.join(unknown)} not among {', '.join(named)}")
+    dtypes = tuple(named[name] for name in args.dtypes.split(","))
+    return 1 if check(args.backend, args.arch, args.jobs, args.perf_shapes, dtypes) else 0
 
 
 if __name__ == "__main__":
