@@ -19,10 +19,9 @@ rm -rf build/ci/env-lint
 # nox -k matches substrings of session names: "cuda" is conformance(profile='cuda') on a machine
 # with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without; "newest" is the session
 # `newest` and models(transformers='newest')
-# balanced by a fresh-clone run on a 2-core machine (2026-12-05, seconds): stream 0 cuda-interpret 305,
-# installs 123, example 84, aot 1,339 (since cut to gfx942's every case in two dtypes), models
-# oldest 205, wheels 934, docs; stream 1 the other profiles 1,258, newest 691, installs 216, usage
-# 327, models newest 229 (usage moved to stream 0 since)
+# balanced by a fresh-clone run on a 2-core machine (2026-12-05, seconds; 38 minutes in all): stream 0
+# cuda-interpret 259, installs 166, example 123, aot 541, usage 240, models oldest 325, wheels 565,
+# docs 46 (2,215); stream 1 the other profiles 1,022, newest 465, installs 168, models newest 317 (1,972)
 streams=(
   "wheels or (conformance and cuda) or (aot and not aot_all) or example or docs or (models and oldest) or usage or (install and (reference or cuda or rocm))"
   "(conformance and not cuda) or newest or (install and (xpu or fpga or mps))"
