@@ -133,3 +133,21 @@ def test_linear_cross_entropy(dtype, case, needs_grad):
     kw = {"chunk_elems": 3 * max(args["weight"].shape[0], 1), "block_v": 16}
     check_kernel("linear_cross_entropy", lambda *a: k.linear_cross_entropy_fwd(*a, **kw),
                  lambda *a: k.linear_cross_entropy_bwd(*a, **kw), args, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_an_inf_reaches_only_its_own_row(dtype):
+    """An inf in one row's hidden state makes that row's loss and gradient NaN, and no other row's
+    (a fuzzed call, 2026-12-05: through Triton's interpreter the 16-bit CPU GEMM of dz and the
+    weight let row 12's NaN reach row 11)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = randn(g, 17, 31, dtype=dtype)
+    hidden[12, 4], hidden[12, 5] = float("inf"), float("-inf")
+    weight, target = randn(g, 31, 31, dtype=dtype), torch.randint(0, 31, (17,), generator=g)
+    dloss = torch.rand(17, generator=g)
+    hidden, weight, target, dloss = (t.to(device()) for t in (hidden, weight, target, dloss))
+    loss, _, _, _, lse = k.linear_cross_entropy_fwd(hidden, weight, target, None, -100, "none", False)
+    dhidden, _, _ = k.linear_cross_entropy_bwd(hidden, weight, target, None, -100, "none", False, loss, None, None,
+                                               None, lse, dloss)
+    assert loss.isnan().nonzero().flatten().tolist() == [12]
+    assert dhidden.isnan().any(1).nonzero().flatten().tolist() == [12]

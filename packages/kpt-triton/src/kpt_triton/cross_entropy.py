@@ -348,7 +348,13 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
             # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
             # (its dz is 0, and 0 · inf would be NaN in the products)
             ignored = (target[r] == ignore_index)[:, None]
-            torch.mm(dz, weight, out=dhidden[r]).masked_fill_(ignored, 0.0)
+            if hidden.device.type == "cpu" and dz.dtype != torch.float32:
+                # Triton's interpreter: torch's 16-bit CPU GEMM lets a row's NaN (an inf in that row's
+                # hidden state) reach the row beside it; float32 accumulates as a GPU's GEMM does
+                dhidden[r] = torch.mm(dz.float(), w_logits)
+            else:
+                torch.mm(dz, weight, out=dhidden[r])
+            dhidden[r].masked_fill_(ignored, 0.0)
             dweight.addmm_(dz.t(), h.masked_fill(ignored, 0.0))
             if bias is not None:
                 dbias += dz.sum(0, dtype=torch.float32)
