@@ -19,9 +19,10 @@ rm -rf build/ci/env-lint
 # nox -k matches substrings of session names: "cuda" is conformance(profile='cuda') on a machine
 # with an NVIDIA GPU, conformance(profile='cuda-interpret') on one without; "newest" is the session
 # `newest` and models(transformers='newest')
-# balanced by a fresh-clone run on a 2-core machine (2026-12-05, seconds; 38 minutes in all): stream 0
-# cuda-interpret 259, installs 166, example 123, aot 541, usage 240, models oldest 325, wheels 565,
-# docs 46 (2,215); stream 1 the other profiles 1,022, newest 465, installs 168, models newest 317 (1,972)
+# balanced by a fresh-clone run on a 2-core machine with nothing else running (2026-12-05, seconds; 28
+# minutes in all): stream 0 cuda-interpret 202, installs 113, example 81, aot 345, usage 168, models
+# oldest 260, wheels 467, docs 40 (1,676); stream 1 the other profiles 677, newest 363, installs 111,
+# models newest 247 (1,398)
 streams=(
   "wheels or (conformance and cuda) or (aot and not aot_all) or example or docs or (models and oldest) or usage or (install and (reference or cuda or rocm))"
   "(conformance and not cuda) or newest or (install and (xpu or fpga or mps))"
