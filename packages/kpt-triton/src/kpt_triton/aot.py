@@ -338,10 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes")
     parser.add_argument("--perf-shapes", action="store_true",
                         help="only the docs/performance.md shapes (bfloat16), not every conformance case")
-    parser.add_argument("--dtypes", default=",".join(str(d).removeprefix("torch.") for d in kpt.FLOAT_DTYPES),
+    named = {str(d).removeprefix("torch."): d for d in kpt.FLOAT_DTYPES}
+    parser.add_argument("--dtypes", default=",".join(named),
                         help="the conformance cases' dtypes to compile (default: every one)")
     args = parser.parse_args(argv)
-    named = {str(d).removeprefix("torch."): d for d in kpt.FLOAT_DTYPES}
     unknown = [name for name in args.dtypes.split(",") if name not in named]
     if unknown:
         parser.error(f"--dtypes: {', '.join(unknown)} not among {', '.join(named)}")
