@@ -65,19 +65,20 @@ def _single_key_args(generator: torch.Generator) -> dict:
 
 
 class _Perturbed(type(kpt.get_backend("reference"))):
-    """The reference with ``offset`` times a fixed pattern added to dq (an error of that size)."""
+    """The reference with ``offset`` times a fixed pattern added to the gradient of input
+    ``name`` (an error of that size)."""
 
-    def __init__(self, offset: float) -> None:
+    def __init__(self, offset: float, name: str = "q") -> None:
         super().__init__()
-        self.offset = offset
+        self.offset, self.name = offset, name
 
     def call(self, kernel, **args):
-        q = args["q"]
-        nudge = torch.linspace(-1, 1, q.numel(), dtype=q.dtype).reshape(q.shape) * self.offset
-        hook = (lambda g: g + nudge) if q.requires_grad else None
+        x = args[self.name]
+        nudge = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).reshape(x.shape) * self.offset
+        hook = (lambda g: g + nudge) if x.requires_grad else None
         out = super().call(kernel, **args)
         if hook is not None:
-            q.register_hook(hook)
+            x.register_hook(hook)
         return out
 
 
@@ -93,6 +94,22 @@ def test_a_zero_gradient_is_held_to_the_scale_of_the_inputs() -> None:
     assert not wrong.ok and "dq" in wrong.message
     # the bound relative to max|ref| alone: any rounding of an all-zero oracle fails
     assert not compare("dq", torch.full((4,), 1e-7), torch.zeros(4, dtype=torch.float64), TOL).ok
+
+
+def test_an_all_zero_input_takes_the_scale_of_the_calls_other_inputs() -> None:
+    # one key, k all zeros: dk = 0 exactly in the oracle, a kernel's dk the rounding of one
+    # term's Σ dp·p (2.3e-7 seen, a fuzzed cuda-interpret call). k's own rows give no scale.
+    args = _one_key_args(query_heads=2, queries=7, causal=False)
+    args["k"] = torch.zeros_like(args["k"])
+    spec = kpt.SPECS["attention"]
+    for rounding in (2.3e-7, 1e-6):
+        rounded = check_backward(_Perturbed(rounding, "k"), spec, args, torch.float32, torch.Generator().manual_seed(1))
+        assert rounded.ok, rounded.message
+    wrong = check_backward(_Perturbed(3e-2, "k"), spec, args, torch.float32, torch.Generator().manual_seed(1))
+    assert not wrong.ok and "dk" in wrong.message
+    assert gradient_floor(TOL, 1.0, torch.zeros(3), torch.zeros(3, dtype=torch.float64), torch.float32) == TOL
+    floored = gradient_floor(TOL, 1.0, torch.zeros(3), torch.zeros(3, dtype=torch.float64), torch.float32, 4.0)
+    assert floored.abs_floor == TOL.atol / 4.0
 
 
 def test_the_floor_is_the_scale_of_a_row_not_of_the_whole_input() -> None:

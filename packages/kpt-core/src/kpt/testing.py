@@ -288,6 +288,7 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
     response = max(loss_response({n: oracle[n] for n in grad_names}, dict(zip(grad_names, expected))),
                    loss_response({n: o for n, o, g in zip(spec.outputs, ref_outs, grads) if g is not None},
                                  {n: g for n, g in zip(spec.outputs, grads) if g is not None}))
+    fallback_row = max((mean_row(oracle[n]) for n in grad_names), default=0.0)
     eagers = _eager_grads(spec, args, grad_names, grads) if eager_factor else expected
     rounding, kink = spec.rounding, spec.kink
     checked = spec.check((), oracle, oracle_backend().dtypes) if alternative or rounding or kink else {}
@@ -300,7 +301,8 @@ def check_backward(backend: Backend, spec: KernelSpec, args: Args, dtype: torch.
         if g.dtype != leaf.dtype:
             report.problems.append(f"grad of '{name}' has dtype {g.dtype}, expected {leaf.dtype}")
         tol = tolerance_for(backend, spec.name, dtype, g, tolerance_scale, {**args, **upstream}, f"d{name}")
-        tol = eager_widened(gradient_floor(tol, response, oracle[name], e, dtype), f"d{name}", eager, e, eager_factor)
+        tol = eager_widened(gradient_floor(tol, response, oracle[name], e, dtype, fallback_row),
+                            f"d{name}", eager, e, eager_factor)
         if name in alternatives:
             e = either(g, e, alternatives[name])
         report.comparisons.append(compare(f"d{name}", g, e, tol, allowances.get(name)))
@@ -332,8 +334,13 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     return t.abs().reshape(-1, t.shape[-1] if t.dim() > 1 else max(t.numel(), 1)).sum(-1)
 
 
+def mean_row(x: torch.Tensor) -> float:
+    """The mean over the rows of ``x`` of Σ|x| (float64, finite terms; 0 for an empty tensor)."""
+    return float(_row_sums(finite(x.detach().to(torch.float64))).mean()) if x.numel() else 0.0
+
+
 def gradient_floor(tol: Tolerance, response: float, x: torch.Tensor, ref: torch.Tensor,
-                   dtype: torch.dtype) -> Tolerance:
+                   dtype: torch.dtype, fallback_row: float = 0.0) -> Tolerance:
     """``tol`` for the gradient ``ref`` of ``x``, with an absolute floor where the oracle is
     (nearly) all zeros (causal attention with a single key: dq = 0 exactly).
 
@@ -346,14 +353,18 @@ def gradient_floor(tol: Tolerance, response: float, x: torch.Tensor, ref: torch.
     float64 when the ``dtype`` under test is float64) the result is below the rounding of the
     terms that cancel to it, and a bound relative to ``max|ref|`` would demand the oracle's exact
     cancellation: the floor is then ``atol · S``. Elsewhere ``tol`` is unchanged, so a small but
-    resolvable gradient (attention scores ×1e-3 make dq small) is still held to its own scale."""
+    resolvable gradient (attention scores ×1e-3 make dq small) is still held to its own scale.
+
+    An ``x`` of zeros has no relative change to scale by: its rows are taken at ``fallback_row``,
+    the mean row of the call's largest differentiable input (attention with one key and ``k`` all
+    zeros: dk = 0 exactly, as the one key's weight is 1 whatever its score, and a kernel's dk is
+    the rounding of ``Σ dp · p`` over one term)."""
     if ref.numel() == 0:
         return tol
-    rows = _row_sums(finite(x.detach().to(torch.float64)))
-    mean_row = float(rows.mean())
-    if mean_row == 0:
+    row = mean_row(x) or fallback_row
+    if row == 0:
         return tol
-    scale = response / mean_row
+    scale = response / row
     u = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
     if float(finite(ref.abs()).max()) > u * scale or tol.atol * scale <= tol.abs_floor:
         return tol
