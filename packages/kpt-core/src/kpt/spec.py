@@ -236,6 +236,8 @@ class KernelSpec:
         fast = self._parameters
         if fast is not None and len(args) <= len(fast[0]):
             names, defaults = fast
+            if not kwargs and len(args) == len(names):  # every argument given in order: the kernel methods' call
+                return dict(zip(names, args))
             bound = dict(zip(names, args))
             unused = len(kwargs)
             for n in names[len(args):]:
@@ -338,7 +340,8 @@ class Check:
         """An optional parameter (norm weight, bias): float32 or ``like``'s dtype, given shape."""
         if t is None:
             return None
-        self.tensor(arg, t, dtypes=(like.dtype, torch.float32))
+        if not isinstance(t, torch.Tensor) or (t.dtype is not like.dtype and t.dtype is not torch.float32):
+            self.tensor(arg, t, dtypes=(like.dtype, torch.float32))  # raises, naming the allowed dtypes
         self.shape(arg, t, shape)
         self.same_device(arg, t, like)
         return t
