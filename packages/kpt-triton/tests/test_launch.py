@@ -3,6 +3,8 @@ keyed apart, and Triton's path wherever the fast one does not apply (the interpr
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import triton
@@ -103,3 +105,84 @@ def test_interpreter_hooks_and_grid_functions_take_tritons_path(monkeypatch: pyt
     assert torch.equal(_axpy(x, 2.0).cpu(), _expected(x, 2.0).cpu())
     if device().type == "cuda":
         assert seen  # the hook saw the launch
+
+
+class _Compiled:
+    """Stands for a compiled Triton kernel: its launcher records the arguments it is given."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[object, ...]] = []
+
+    def run(self, *args: object) -> None:
+        self.runs.append(args)
+
+
+class _Jit:
+    """Stands for a `triton.jit` function of ``(X, n, alpha, BLOCK: constexpr, SHIFT: constexpr = 0)``:
+    each launch through Triton's path is recorded and returns the one compiled kernel."""
+
+    def __init__(self) -> None:
+        def kernel(X, n, alpha, BLOCK, SHIFT=0):  # noqa: N803 (Triton's spelling)
+            pass
+
+        self.signature = inspect.signature(kernel)
+        self.compiled = _Compiled()
+        self.triton_launches: list[tuple[object, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch(*args: object, **kwargs: object) -> _Compiled:
+            self.triton_launches.append((grid, args, kwargs))
+            return self.compiled
+
+        return launch
+
+
+class _Driver:
+    """Triton's active driver as the fast path asks it: one device, stream 7."""
+
+    class active:  # noqa: N801
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 7)
+
+
+def test_a_repeat_launch_passes_the_compiled_kernel_what_triton_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fast path runs on a GPU only; here its launcher is a recording stand-in
+    import kpt_triton.launch
+
+    monkeypatch.setattr(kpt_triton.launch, "driver", _Driver)
+    jit = _Jit()
+    kernel = cached_launch(jit)
+    x = torch.zeros(64)
+    kernel[(4,)](x, 10, 2.0, BLOCK=64)  # the first call of a specialization: Triton's path
+    assert len(jit.triton_launches) == 1 and not jit.compiled.runs
+    kernel[(4, 2)](x, 10, 2.0, BLOCK=64)
+    kernel.launch((3,), (x, 26, 0.5), {"BLOCK": 64, "SHIFT": 3})  # SHIFT given: another key
+    kernel.launch((3,), (x, 26, 0.5), {"BLOCK": 64, "SHIFT": 3})
+    assert jit.compiled.runs == [
+        (4, 2, 1, 7, "function", "metadata", None, None, None, x.data_ptr(), 10, 2.0, 64, 0),
+        (3, 1, 1, 7, "function", "metadata", None, None, None, x.data_ptr(), 26, 0.5, 64, 3),
+    ]
+    assert len(jit.triton_launches) == 2
+    # whatever Triton specializes on differently goes through Triton again, once
+    for args in [(x[1:], 10, 2.0), (x.half(), 10, 2.0), (x, 1, 2.0), (x, 16, 2.0), (x, 1 << 40, 2.0), (x, 10, None)]:
+        kernel[(1,)](*args, BLOCK=64)
+        kernel[(1,)](*args, BLOCK=64)
+    assert len(jit.triton_launches) == 2 + 6 and len(jit.compiled.runs) == 2 + 6
+    # numbers given by keyword are keyed by value and go to the launcher in the signature's order
+    kernel[(1,)](x, alpha=0.25, n=12, BLOCK=64)
+    kernel[(1,)](x, alpha=0.25, n=12, BLOCK=64)
+    assert len(jit.triton_launches) == 2 + 6 + 1
+    assert jit.compiled.runs[-1] == (1, 1, 1, 7, "function", "metadata", None, None, None,
+                                     x.data_ptr(), 12, 0.25, 64, 0)
+    # a tensor given by keyword is never cached (the launcher takes addresses by position only)
+    kernel[(1,)](x, 10, alpha=torch.ones(1), BLOCK=64)
+    kernel[(1,)](x, 10, alpha=torch.ones(1), BLOCK=64)
+    assert len(jit.triton_launches) == 2 + 6 + 1 + 2
+    # a profiler's launch hook sees every launch: Triton's path while one is set
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    kernel[(4,)](x, 10, 2.0, BLOCK=64)
+    assert len(jit.triton_launches) == 2 + 6 + 1 + 2 + 1
