@@ -1,7 +1,8 @@
 """`kpt.patch` in the flows model builders run, against the same transformers model unpatched.
 
 Padded batches (left and right), packed documents, sliding windows, `torch.compile` of the whole
-model, batched `generate()` with the dynamic and the static cache, the `Trainer` with a padding
+model, batched `generate()` with the dynamic and the static cache (eager, and compiled as transformers
+compiles it on a GPU), the `Trainer` with a padding
 and a packing collator, and the loss of a bfloat16 model: each on a tiny random-initialised Llama
 and Qwen2 (and Mistral for its window) on the reference backend, in float32 and float64.
 transformers in float64 still computes its RMSNorm in float32, so the two agree to float32's
@@ -271,6 +272,34 @@ def test_padded_generation_gives_transformers_tokens(family: str, dtype: torch.d
         kw["cache_implementation"] = "static"
     with torch.no_grad():
         assert torch.equal(patched.generate(tokens, **kw), hf.generate(tokens, **kw))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_static_cache_generation_compiles_as_on_a_gpu(family: str) -> None:
+    """On a GPU, ``generate(cache_implementation="static")`` compiles the model's forward
+    (transformers' ``CompileConfig``: mode "reduce-overhead", its decode step a CUDA graph); a CPU
+    compiles it only when asked (``_compile_all_devices``, transformers' flag for tests). With
+    ``fullgraph=True`` the patched model compiles with no graph break and gives the tokens of
+    transformers' model, compiled and not (float64: no near tie of the tiny model's logits flips)."""
+    from torch._dynamo.utils import counters
+
+    hf, patched = pair(family, torch.float64)
+    tokens, mask, _ = padded_batch("left")
+    kw = {**GREEDY, "max_new_tokens": 6, "min_new_tokens": 6, "attention_mask": mask,
+          "cache_implementation": "static"}
+    with torch.no_grad():
+        expected = hf.generate(tokens, **kw)
+        compiled = {}
+        for name, model in (("transformers", hf), ("patched", patched)):
+            config = transformers.CompileConfig(fullgraph=True)
+            config._compile_all_devices = True
+            torch._dynamo.reset()
+            counters.clear()
+            compiled[name] = model.generate(tokens, compile_config=config, **kw)
+            assert counters["stats"]["unique_graphs"] >= 1, f"{name}: generate() compiled nothing"
+            assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(compiled["transformers"], expected)
+    assert torch.equal(compiled["patched"], expected)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

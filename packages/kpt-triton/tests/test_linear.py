@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_kernel, device
+from conftest import assert_nan_rows_stay, check_kernel, device
 from kpt.spec import identity, randn, strided
 from kpt.testing import to_device
 from kpt_triton import linear as k
@@ -100,3 +100,12 @@ def test_no_output_gradient_gives_zeros(dtype):
     dx, dw, db = k.linear_bwd(*a.values(), y, pre, None)
     for grad, inp in ((dx, a["x"]), (dw, a["weight"]), (db, a["bias"])):
         assert grad.shape == inp.shape and grad.dtype == inp.dtype and not bool(grad.any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+def test_an_inf_reaches_only_its_own_row(dtype, activation):
+    """An inf in row 1 of x reaches no other row of y or dx (a fuzzed cuda-interpret call,
+    2026-12-05: torch's 16-bit CPU GEMM of dpre and the weight let row 1's NaN reach row 0)."""
+    assert_nan_rows_stay(k.linear_fwd, k.linear_bwd, dtype, activation)
+

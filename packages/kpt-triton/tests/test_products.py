@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kpt
-from conftest import check_kernel, device
+from conftest import assert_nan_rows_stay, check_kernel, device
 from kpt.kernels.moe import GROUPED_LINEAR
 from kpt.spec import randn, strided, transposed
 from kpt_triton import products as p
@@ -86,3 +86,10 @@ def test_grouped_linear_rows_of_no_expert_reach_nothing(dtype):
     assert not dweight.isnan().any()
     expected = GROUPED_LINEAR.forward(x[4:28].double(), offsets - 4, weight.double())[0]
     torch.testing.assert_close(y[4:28].double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+def test_linear_an_inf_reaches_only_its_own_row(dtype, activation):
+    """As kpt-triton's own linear (`test_linear.test_an_inf_reaches_only_its_own_row`)."""
+    assert_nan_rows_stay(p.linear_fwd, p.linear_bwd, dtype, activation)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .launch import cached_launch
+from .linear import mm
 from .softmax import log_sum_exp, lse_parts_kernel, lse_stats, merged_stats
 from .tiling import (
     aligned,
@@ -348,12 +349,7 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
             # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
             # (its dz is 0, and 0 · inf would be NaN in the products)
             ignored = (target[r] == ignore_index)[:, None]
-            if hidden.device.type == "cpu" and dz.dtype != torch.float32:
-                # Triton's interpreter: torch's 16-bit CPU GEMM lets a row's NaN (an inf in that row's
-                # hidden state) reach the row beside it; float32 accumulates as a GPU's GEMM does
-                dhidden[r] = torch.mm(dz.float(), w_logits)
-            else:
-                torch.mm(dz, weight, out=dhidden[r])
+            mm(dz, weight, out=dhidden[r])
             dhidden[r].masked_fill_(ignored, 0.0)
             dweight.addmm_(dz.t(), h.masked_fill(ignored, 0.0))
             if bias is not None:

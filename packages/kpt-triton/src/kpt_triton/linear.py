@@ -15,7 +15,8 @@ Backward, with dpre = dy ∘ act'(pre) computed in one Triton pass (relu'(0) = 0
 The activations are those of `kpt_triton.activations` (overflow-free for large |pre|).
 
 ``dot`` is the matrix product every kernel family here uses: under ``TRITON_INTERPRET=1`` the
-interpreter has no 16-bit dot, so ``DOT_FP32`` promotes the operands to float32 there.
+interpreter has no 16-bit dot, so ``DOT_FP32`` promotes the operands to float32 there. ``mm`` is the
+library GEMM every launcher here calls, in float32 on the interpreter's 16-bit CPU tensors.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def dot(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a · b`` (``+ bias``) by the library's GEMM (``torch.mm`` / ``torch.addmm``), into ``out`` if
+    given. On CPU tensors of 16 bits (Triton's interpreter) the product is taken in float32 and
+    rounded once, as a GPU's GEMM accumulates: torch's bfloat16 CPU GEMM lets a NaN of one row of
+    ``a`` reach the row beside it (an inf in one row of linear's x made the next row of dx NaN in a
+    fuzzed cuda-interpret call; row 1's NaN reaches row 0 at 64 × 5 × 17). Differentiable."""
+    if a.is_cpu and a.dtype in (torch.bfloat16, torch.float16):
+        wide = torch.mm(a.float(), b.float()) if bias is None else torch.addmm(bias.float(), a.float(), b.float())
+        return wide.to(a.dtype) if out is None else out.copy_(wide)
+    if bias is None:
+        return torch.mm(a, b, out=out)
+    return torch.addmm(bias, a, b, out=out)
 
 
 @cached_launch
@@ -132,7 +148,7 @@ def linear_fwd(
     N = weight.shape[0]
     shape = (*x.shape[:-1], N)
     if activation is None:
-        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias.to(x.dtype), x2, weight.t())
+        y = mm(x2, weight.t(), None if bias is None else bias.to(x.dtype))
         return y.reshape(shape), x.new_empty(0)
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
     pre = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -177,7 +193,7 @@ def linear_bwd(
                 dy2, pre, dpre, M, N, *dy2.stride(),
                 ACTIVATION=activation, BLOCK_M=block[0], BLOCK_N=block[1],
             )
-    dx = torch.mm(dpre, weight).reshape(x.shape)
-    dweight = torch.mm(dpre.t(), x2)
+    dx = mm(dpre, weight).reshape(x.shape)
+    dweight = mm(dpre.t(), x2)
     dbias = x.new_empty(0) if bias is None else dpre.sum(0, dtype=torch.float32).to(bias.dtype)
     return dx, dweight, dbias

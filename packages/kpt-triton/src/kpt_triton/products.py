@@ -39,7 +39,7 @@ from kpt.ops import torch_autograd
 from kpt.spec import rows
 
 from .launch import cached_launch
-from .linear import zero_grads
+from .linear import mm, zero_grads
 from .tiling import cdiv
 
 
@@ -115,7 +115,7 @@ def linear_fwd(
     # addmm adds the bias before its one rounding (F.linear of a 3-D input rounds the product first:
     # relu's gradient then flipped where the pre-activation was near 0); no reshape for a 2-D input
     x2 = rows(x)
-    pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    pre = mm(x2, weight.t(), bias)
     if x.dim() != 2:
         pre = pre.reshape(*x.shape[:-1], weight.shape[0])
     if activation is None:
@@ -133,8 +133,8 @@ def linear_bwd(
     x2, dpre = rows(x), rows(dy)
     if activation is not None:
         dpre = ACTIVATION_GRADS[activation](dpre, rows(pre))
-    dx = torch.mm(dpre, weight).reshape(x.shape)
-    dweight = torch.mm(dpre.t(), x2)
+    dx = mm(dpre, weight).reshape(x.shape)
+    dweight = mm(dpre.t(), x2)
     dbias = x.new_empty(0) if bias is None else dpre.sum(0, dtype=torch.float32).to(bias.dtype)
     return dx, dweight, dbias
 
@@ -185,7 +185,7 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor) -> torch.Te
     edges = bounds.tolist()
     for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
         if end > start:
-            torch.mm(a[start:end], b[e], out=c[start:end])
+            mm(a[start:end], b[e], out=c[start:end])
     return c
 
 
@@ -214,5 +214,5 @@ def grouped_linear_bwd(
         edges = bounds.tolist()
         for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
             if end > start:
-                torch.mm(dy[start:end].t(), x_sorted[start:end], out=dweight[e])
+                mm(dy[start:end].t(), x_sorted[start:end], out=dweight[e])
     return dx, dweight
