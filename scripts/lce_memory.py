@@ -6,7 +6,7 @@
 Forward and backward in bfloat16 at ``--shape`` N,K,V (default N=8192, K=4096, V=128256): the
 backend's call as a model makes it, eager ``F.linear`` then ``F.cross_entropy``, the same under
 ``torch.compile``, and, for each of ``--chunk-rows``, kpt-triton's fused body with chunks of that many
-rows (its tuning otherwise picks ``chunk_elems // V`` rows). A chunk's gradient of the weight is
+rows (otherwise `kpt_triton.cross_entropy.chunk_rows` picks them). A chunk's gradient of the weight is
 added into the V x K gradient in place, which reads and writes it once a chunk: (N / rows) x 4VK
 bytes a step, against the chunk's three products, so fewer rows cost time and more rows memory.
 Peak memory is what the step allocates beyond its inputs (torch.cuda.max_memory_allocated after a

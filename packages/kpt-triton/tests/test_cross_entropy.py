@@ -151,3 +151,39 @@ def test_linear_cross_entropy_an_inf_reaches_only_its_own_row(dtype):
                                                None, lse, dloss)
     assert loss.isnan().nonzero().flatten().tolist() == [12]
     assert dhidden.isnan().any(1).nonzero().flatten().tolist() == [12]
+
+
+class _GpuTensor:
+    """What `chunk_rows` asks of ``hidden`` on a GPU."""
+
+    is_cuda, device = True, "cuda:0"
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def element_size(self):
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
+    v, gib = 128256, 2**30
+    free = {"driver": 64 * gib, "cached": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["driver"], 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: free["cached"] + gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: gib)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    bf16, f32 = _GpuTensor(torch.bfloat16), _GpuTensor(torch.float32)
+    # the tuning's 2^26 logits: 523 rows, cut to whole tiles of 128
+    assert k.chunk_rows(8192, v, bf16, True, 1 << 26) == 512
+    assert k.chunk_rows(300, v, bf16, True, 1 << 26) == 256  # no more rows than there are
+    free["driver"] = 1 * gib  # 6 bytes a logit: 512 rows take 0.37 GiB, more than a quarter of 1 GiB
+    assert k.chunk_rows(8192, v, bf16, True, 1 << 26) == (512 if capturing else 256)
+    assert k.chunk_rows(8192, v, f32, True, 1 << 26) == 512  # 4 bytes a logit: 0.24 GiB fits
+    assert k.chunk_rows(8192, v, bf16, False, 1 << 26) == 512  # no gradient buffer
+    free["cached"] = 1 * gib  # memory torch's allocator holds unused counts as free
+    assert k.chunk_rows(8192, v, bf16, True, 1 << 26) == 512
+    free["driver"], free["cached"] = 10 * 2**20, 0  # 10 MiB: a few rows, whatever it costs in time
+    assert k.chunk_rows(8192, v, bf16, True, 1 << 26) == (512 if capturing else 2)
+    free["driver"] = 0
+    assert k.chunk_rows(8192, v, bf16, True, 1 << 26) == (512 if capturing else 1)

@@ -319,15 +319,40 @@ def _logits(h, weight, out):
     return torch.mm(h.to(torch.float32), weight.t(), out=out)
 
 
+FREE_MEMORY_SHARE = 4
+"""A chunk's buffers take at most 1 / ``FREE_MEMORY_SHARE`` of the device memory free when the loss
+starts (`chunk_rows`)."""
+
+
+def chunk_rows(n: int, v: int, hidden: torch.Tensor, grad: bool, chunk_elems: int) -> int:
+    """How many rows of the ``[n, v]`` logits one chunk of ``linear_cross_entropy`` holds.
+
+    The chunk's buffers are its float32 logits and, with gradients of 16-bit ``hidden``, their
+    16-bit gradient: 4 or 6 bytes a logit. The tuning's ``chunk_elems // v`` rows (2^26 logits:
+    512 rows of a 128,256 vocabulary, 0.37 GiB in bfloat16) are halved, on a GPU, until the buffers
+    fit in a quarter of the free memory (the driver's free memory and what torch's allocator holds
+    unused; not while a CUDA graph is captured); halving keeps the plans few, so a loss's rounding
+    changes only where memory runs short. Then at least 1 row and at most ``n``, in whole multiples
+    of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads and
+    writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
+    per_row = v * (4 + (hidden.element_size() if grad and hidden.dtype != torch.float32 else 0))
+    step = max(1, chunk_elems // max(v, 1))
+    if hidden.is_cuda and per_row and not torch.cuda.is_current_stream_capturing():
+        free, _ = torch.cuda.mem_get_info(hidden.device)
+        free += torch.cuda.memory_reserved(hidden.device) - torch.cuda.memory_allocated(hidden.device)
+        while step > 1 and step * per_row * FREE_MEMORY_SHARE > free:
+            step //= 2
+    step = min(n, step)
+    return step - step % 128 if step > 128 else max(step, 1)
+
+
 def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, chunk_elems, block_v,
              elems_per_warp, programs_per_sm):
-    """One pass over chunks of rows of the logits: writes ``lse`` and ``losses`` when ``losses`` is
-    given (else reads ``lse``), and with ``grad`` returns ``(dhidden, dweight, dbias)``."""
+    """One pass over chunks of rows of the logits (`chunk_rows`): writes ``lse`` and ``losses`` when
+    ``losses`` is given (else reads ``lse``), and with ``grad`` returns ``(dhidden, dweight, dbias)``."""
     n, k = hidden.shape
     v = weight.shape[0]
-    step = max(1, min(n, chunk_elems // max(v, 1)))
-    # whole multiples of 128 rows keep the chunk GEMMs on full tiles
-    step -= step % 128 if step > 128 else 0
+    step = chunk_rows(n, v, hidden, grad is not None, chunk_elems)
     z_buf = torch.empty(step, v, dtype=torch.float32, device=hidden.device)
     w_logits = weight if hidden.dtype == torch.float32 or hidden.device.type == "cuda" else weight.float()
     if grad is not None:
@@ -363,8 +388,9 @@ def linear_cross_entropy_fwd(
     hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 26,
     block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk (the
-    only ``[rows, V]`` buffer held), ``block_v`` / ``elems_per_warp`` as for `cross_entropy_fwd`."""
+    """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk at most (the
+    only ``[rows, V]`` buffers held; `chunk_rows`), ``block_v`` / ``elems_per_warp`` as for
+    `cross_entropy_fwd`."""
     n = hidden.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
