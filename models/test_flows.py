@@ -163,6 +163,33 @@ def test_flash_varlen_offsets_keep_packed_documents_apart(family: str, positions
             close(p_grads[name], g, f"gradient of {name}")
 
 
+@pytest.mark.parametrize("use_cache", [None, False])
+def test_flash_loaded_model_reads_restarting_positions_as_flash_does(use_cache: bool | None) -> None:
+    """A model loaded with ``flash_attention_2`` given packed documents as restarting ``position_ids``
+    only (``DataCollatorWithFlattening()``'s default) in one row: each document attends only to
+    itself, as flash computes, also with the KV cache the config's ``use_cache`` makes outside the
+    ``Trainer`` (where transformers' ``sdpa`` masks do not separate them), eager and compiled; the
+    oracle runs each document alone. Positions that count up from any start are one sequence. In a
+    batch of several rows, restarting positions separate the documents as transformers' ``sdpa``
+    does without a cache (the one difference kept: flash separates them only in a one-row batch)."""
+    hf, flash = flash_pair("llama")
+    kw = {} if use_cache is None else {"use_cache": use_cache}
+    tokens = torch.randint(1, TINY["vocab_size"], (2, 15), generator=torch.Generator().manual_seed(6))
+    at = {span: torch.arange(*span)[None] - span[0] for span in zip(DOCUMENTS[:-1], DOCUMENTS[1:])}
+    positions = torch.cat(list(at.values()), dim=1)
+    compiled = torch.compile(flash, fullgraph=True)
+    with torch.no_grad():
+        alone = torch.cat([hf(tokens[:1, a:b], position_ids=p).logits for (a, b), p in at.items()], dim=1)
+        for model in (flash, compiled):
+            close(model(tokens[:1], position_ids=positions, **kw).logits, alone, "logits of packed documents")
+            counting = torch.arange(3, 18)[None]
+            close(model(tokens[:1], position_ids=counting, **kw).logits,
+                  hf(tokens[:1], position_ids=counting, use_cache=False).logits, "logits of one sequence")
+        rows = torch.cat([positions, torch.arange(15)[None]])
+        close(flash(tokens, position_ids=rows, use_cache=False).logits,
+              hf(tokens, position_ids=rows, use_cache=False).logits, "logits of two rows")
+
+
 def test_flash_varlen_offsets_kpt_cannot_follow_are_refused() -> None:
     """Offsets that do not cover the batch's tokens, differ for queries and keys, or hold a document
     longer than ``max_length_q`` raise; a model loaded with ``sdpa`` ignores the offsets, as

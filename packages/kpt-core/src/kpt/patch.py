@@ -136,7 +136,8 @@ def _varlen_attention_forward(self: Any, hidden_states: Tensor, position_embeddi
     packed batches may come as FlashAttention's varlen inputs: ``cu_seq_lens_q``/``cu_seq_lens_k``
     (cumulative document lengths over the flattened batch, as ``DataCollatorWithFlattening(
     return_flash_attn_kwargs=True)`` gives them) keep the documents apart, as flash's varlen call
-    does; restarting ``position_ids`` do through the mask transformers builds.
+    does; restarting ``position_ids`` do through the mask transformers builds, and in a one-row
+    batch with no mask as flash reads them (`_position_documents`).
 
     A batch of one row (the collator's flattened batch) runs its documents as a batch of their own
     (`_attend_documents`): no work across documents, and without another mask the causal kernels
@@ -146,6 +147,12 @@ def _varlen_attention_forward(self: Any, hidden_states: Tensor, position_embeddi
     q, k, v, shape = _rotated(self, hidden_states, position_embeddings, kwargs)
     causal, mask, k, v = _kernel_mask(self, attention_mask, q, k, v)
     offsets = _offsets(self.layer_idx, kwargs, q.shape[0], q.shape[2], k.shape[2], q.device)
+    if offsets is None and mask is None and q.shape[0] == 1 and q.shape[2] == k.shape[2] > 1:
+        found = _position_documents(kwargs.get("position_ids"), q.shape[2], q.device)
+        if isinstance(found, Tensor):
+            mask = found
+        else:
+            offsets = found
     backend = knn.backend(q)
     cu, longest = offsets if offsets is not None else (None, None)
     if cu is not None and longest is not None and causal and q.shape[0] == 1:
@@ -156,6 +163,41 @@ def _varlen_attention_forward(self: Any, hidden_states: Tensor, position_embeddi
             mask = documents if mask is None else mask & documents
         out = backend.attention(q, k, v, causal, self.scaling, mask)
     return knn.project_heads(self.o_proj, out), None
+
+
+def _position_documents(position_ids: Any, s: int, device: torch.device) -> tuple[Tensor, int] | Tensor | None:
+    """The documents that flash finds in the ``position_ids`` of a one-row batch given no mask and
+    no varlen offsets (transformers' ``_is_packed_sequence``, ``prepare_fa_kwargs_from_position_ids``):
+    when the positions are not the row's smallest counting up, a document starts at each position
+    equal to the smallest. transformers' ``sdpa`` masks separate the documents of restarting
+    positions only without a KV cache, so with ``use_cache`` (the config's default outside the
+    ``Trainer``) a patched model saw them as one sequence where flash keeps them apart.
+
+    Outside ``torch.compile``: ``(cu, longest)`` as `_offsets` gives them where the positions restart
+    (one host read a forward), else ``None``. Under ``torch.compile``, which cannot read whether
+    they restart: the ``[1, 1, S, S]`` mask of their documents (all ``True`` where they do not)."""
+    if not isinstance(position_ids, Tensor) or position_ids.shape != (1, s):
+        return None
+    positions = position_ids[0].to(device)
+    starts = positions == positions.min()
+    if torch.compiler.is_compiling():
+        document = starts.cumsum(0)
+        return (document[:, None] == document[None, :])[None, None]
+    key = (position_ids._version, s, device)
+    for ref, checked_key, checked in _checked_positions:
+        if ref() is position_ids and checked_key == key:
+            return checked  # the model's other layers: one host read a forward
+    found = None
+    if bool((positions != torch.arange(s, device=device) + positions.min()).any()):
+        cu = torch.cat([starts.nonzero().view(-1), torch.tensor([s], device=device)]).to(torch.int32)
+        found = cu, int((cu[1:] - cu[:-1]).max())
+    _checked_positions[:] = [(weakref.ref(position_ids), key, found)]
+    return found
+
+
+_checked_positions: list[tuple[weakref.ref[Tensor], tuple[Any, ...], tuple[Tensor, int] | None]] = []
+"""The last one-row ``position_ids`` read by `_position_documents`, with its in-place version, length and
+device, and what it found."""
 
 
 def _offsets(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv: int,
