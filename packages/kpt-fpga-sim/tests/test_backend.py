@@ -373,3 +373,17 @@ def test_calls_beyond_the_format_are_named_and_not_fuzzed(fx, be) -> None:
     assert "output beyond" in fx.beyond_format("moe_combine", combine)
     assert fx.beyond_format("moe_combine", {**combine, "weights": torch.full((1, 8), 0.5)}) is None
     assert be.beyond_format("rms_norm", {"x": torch.full((2, 1), 1e-3), "weight": None, "eps": 1e-5}) is None
+
+
+@pytest.mark.parametrize("smoothing", [0.1, 1.0])
+def test_a_target_logit_of_minus_inf_loses_as_the_reference(be, smoothing) -> None:
+    """With label smoothing a -inf target logit loses +inf (NaN at ε = 1), as the contract computes
+    it: the simulator's smoothing term gave +inf − inf (a fuzzed float16 call)."""
+    logits = torch.randn(3, 65, generator=torch.Generator().manual_seed(0)).half()
+    target = torch.tensor([12, 5, -100])
+    logits[0, 12] = logits[1, 30] = -math.inf
+    got = be.cross_entropy(logits, target, label_smoothing=smoothing, reduction="none")
+    expected = kpt.get_backend("reference").cross_entropy(logits.double(), target, label_smoothing=smoothing,
+                                                          reduction="none")
+    assert torch.equal(got.isnan(), expected.isnan()) and bool(got[0].isnan() or got[0] == math.inf)
+    torch.testing.assert_close(got.double().nan_to_num(), expected.nan_to_num(), rtol=1e-2, atol=1e-2)

@@ -53,6 +53,11 @@ def _row_terms(a, z, target, ignore_index, smoothing):
     if smoothing:
         # ε·(z[t] − Σz / V) as its own term: a row with one class (or equal logits) loses exactly 0
         loss = loss + (a.const(smoothing) * picked - a.const(smoothing / v) * z.sum(-1))
+        if isinstance(picked, torch.Tensor):
+            # floating point: a -inf target logit gives +inf − inf there (NaN); the contract's
+            # (1 − ε)·(lse − z[t]) + ε·(lse − mean(z)) is +inf (NaN at ε = 1)
+            whole = (1.0 - smoothing) * (lse - picked) + smoothing * (lse - z.mean(-1))
+            loss = torch.where(picked == -math.inf, whole, loss)
     return lse, a.where(kept, loss, a.const(0.0))
 
 
