@@ -4,6 +4,7 @@ three architectures, padded and packed fine-tuning, and ``generate()`` with the 
 static cache.
 
     python scripts/bench_models.py train    --steps 100 --out results/   # 3 architectures x 5 modes
+    python scripts/bench_models.py train    --inputs trainer ...          # as the Trainer runs them
     python scripts/bench_models.py sft      --steps 60  --out results/   # padded and packed batches
     python scripts/bench_models.py generate --out results/               # batch 1 and 16, both caches
     python scripts/bench_models.py table results/                        # the Markdown tables
@@ -11,8 +12,13 @@ static cache.
 Each run is its own process (its compile caches and peak memory are its own); the runs of one
 command go one after another, architectures outer, modes inner. Models are random-initialised,
 in bfloat16, on synthetic token ids (scripts/train_llama.py's corpus); AdamW. tokens/s counts the
-steps after the first ``--warmup`` (compilation included there). Generation is greedy; its
-bandwidth limit is the bytes of the weights plus the KV cache read per step over the copy
+steps after the first ``--warmup`` (compilation included there). ``train`` gives the models
+``input_ids`` and ``labels`` (``--inputs full``), or also an attention mask of ones with
+``use_cache=False`` (``--inputs trainer``: what the ``Trainer`` and its collators give; under
+``torch.compile`` transformers then builds a whole ``[B, 1, S, S]`` mask for ``sdpa`` and for
+kpt, since a traced graph cannot tell that it masks nothing). Packed batches run with
+``use_cache=False`` too: with a cache transformers' ``sdpa`` masks do not separate the documents.
+Generation is greedy; its bandwidth limit is the bytes of the weights plus the KV cache read per step over the copy
 bandwidth measured in the same process.
 """
 
@@ -96,8 +102,10 @@ def batches(kind: str, vocab: int, batch: int, seq: int, steps: int) -> list[dic
     out = []
     for step in range(steps):
         tokens = data[step * batch:(step + 1) * batch]
-        if kind == "full":
+        if kind in ("full", "trainer"):
             out.append({"input_ids": tokens, "labels": tokens})
+            if kind == "trainer":
+                out[-1]["attention_mask"] = torch.ones_like(tokens)
             continue
         lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=g)
         if kind == "padded":
@@ -123,7 +131,7 @@ def one_train(arch: str, mode: str, kind: str, steps: int, warmup: int, batch: i
         b = {k: v.cuda(non_blocking=True) for k, v in b.items()}
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = step_fn(**b).loss
+        loss = step_fn(**b, **({"use_cache": False} if kind in ("trainer", "packed") else {})).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -189,14 +197,15 @@ def launch(out: Path, name: str, *args: str) -> None:
 def table(folder: Path) -> str:
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     lines = []
-    train = [r for r in runs if r.get("kind") == "full"]
+    train = [r for r in runs if r.get("kind") in ("full", "trainer")]
     if train:
-        lines += ["| architecture | mode | tokens/s | vs transformers + compile | peak GiB | final loss | loss dtype |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| architecture | inputs | mode | tokens/s | vs transformers + compile | peak GiB | final loss "
+                  "| loss dtype |", "|---|---|---|---|---|---|---|---|"]
         for r in train:
-            base = next((b for b in train if b["arch"] == r["arch"] and b["mode"] == "hf+compile"), None)
+            base = next((b for b in train if b["arch"] == r["arch"] and b["kind"] == r["kind"]
+                         and b["mode"] == "hf+compile"), None)
             ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else ""
-            lines.append(f"| {r['arch']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+            lines.append(f"| {r['arch']} | {r['kind']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | "
                          f"{r['peak_memory_gib']:.2f} | {r['loss'][-1]:.4f} | {r['loss_dtype']} |")
     sft = [r for r in runs if r.get("kind") in ("padded", "packed")]
     if sft:
@@ -224,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--batches", default="1,16", help="generate: the batch sizes")
     p.add_argument("--caches", default="dynamic,static", help="generate: the caches")
+    p.add_argument("--inputs", choices=("full", "trainer"), default="full", help="train: what the models are given")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "train":
         for arch in args.archs.split(","):
             for mode in args.modes.split(","):
-                launch(out, f"train-{arch}-{mode}", "full", arch, mode, str(args.steps), str(args.warmup), "8", "2048")
+                name = f"train-{arch}-{mode}" + ("-trainer" if args.inputs == "trainer" else "")
+                launch(out, name, args.inputs, arch, mode, str(args.steps), str(args.warmup), "8", "2048")
     elif args.what == "sft":
         for kind in ("padded", "packed"):
             for mode in args.modes.split(","):
