@@ -180,6 +180,7 @@ def _position_documents(position_ids: Any, s: int, device: torch.device) -> tupl
         return None
     positions = position_ids[0].to(device)
     starts = positions == positions.min()
+    starts[0] = True  # the tokens before a first smallest position are a document too (flash leaves them out)
     if torch.compiler.is_compiling():
         document = starts.cumsum(0)
         return (document[:, None] == document[None, :])[None, None]
