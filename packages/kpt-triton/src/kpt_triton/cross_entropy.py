@@ -329,9 +329,10 @@ def chunk_rows(n: int, v: int, hidden: torch.Tensor, grad: bool, chunk_elems: in
 
     The chunk's buffers are its float32 logits and, with gradients of 16-bit ``hidden``, their
     16-bit gradient: 4 or 6 bytes a logit. The tuning's ``chunk_elems // v`` rows (2^26 logits:
-    512 rows of a 128,256 vocabulary, 0.37 GiB in bfloat16) are halved, on a GPU, until the buffers
-    fit in a quarter of the free memory (the driver's free memory and what torch's allocator holds
-    unused; not while a CUDA graph is captured); halving keeps the plans few, so a loss's rounding
+    512 rows of a 128,256 vocabulary, 0.37 GiB in bfloat16) are halved, on a CUDA or ROCm device,
+    until the buffers fit in a quarter of the free memory (the driver's free memory and what torch's
+    allocator holds unused; not while a CUDA graph is captured); halving keeps the plans few, so a
+    loss's rounding
     changes only where memory runs short. Then at least 1 row and at most ``n``, in whole multiples
     of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads and
     writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
