@@ -332,10 +332,9 @@ def chunk_rows(n: int, v: int, hidden: torch.Tensor, grad: bool, chunk_elems: in
     512 rows of a 128,256 vocabulary, 0.37 GiB in bfloat16) are halved, on a CUDA or ROCm device,
     until the buffers fit in a quarter of the free memory (the driver's free memory and what torch's
     allocator holds unused; not while a CUDA graph is captured); halving keeps the plans few, so a
-    loss's rounding
-    changes only where memory runs short. Then at least 1 row and at most ``n``, in whole multiples
-    of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads and
-    writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
+    loss's rounding changes only where memory runs short. Then at least 1 row and at most ``n``, in
+    whole multiples of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each
+    chunk reads and writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
     per_row = v * (4 + (hidden.element_size() if grad and hidden.dtype != torch.float32 else 0))
     step = max(1, chunk_elems // max(v, 1))
     if hidden.is_cuda and per_row and not torch.cuda.is_current_stream_capturing():
