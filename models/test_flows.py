@@ -2,7 +2,7 @@
 
 Padded batches (left and right), packed documents, sliding windows, `torch.compile` of the whole
 model, batched `generate()` with the dynamic and the static cache (eager, and compiled as transformers
-compiles it on a GPU), the `Trainer` with a padding
+compiles it on a GPU), gradient checkpointing, the `Trainer` with a padding
 and a packing collator, and the loss of a bfloat16 model: each on a tiny random-initialised Llama
 and Qwen2 (and Mistral for its window) on the reference backend, in float32 and float64.
 transformers in float64 still computes its RMSNorm in float32, so the two agree to float32's
@@ -88,6 +88,18 @@ def agree(hf: torch.nn.Module, patched: torch.nn.Module, real: torch.Tensor, **b
 def test_padded_batches_agree(family: str, side: str, dtype: torch.dtype) -> None:
     hf, patched = pair(family, dtype)
     tokens, mask, labels = padded_batch(side)
+    agree(hf, patched, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_agrees(reentrant: bool) -> None:
+    """``model.gradient_checkpointing_enable()`` (fine-tuning's memory saver: each layer's forward runs
+    again in the backward), non-reentrant and reentrant, on a left-padded batch."""
+    hf, patched = pair("llama")
+    for model in (hf, patched):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    tokens, mask, labels = padded_batch("left")
     agree(hf, patched, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
 
 
