@@ -382,11 +382,11 @@ def models(session: nox.Session, transformers: str) -> None:
     """`kpt.patch` on tiny random-initialised transformers models of every supported family, with the
     `TRANSFORMERS` release pinned over constraints/ci.txt: patched and unpatched forward, loss,
     gradients and a training step agree, on the reference backend and on the cuda backend (through
-    Triton's interpreter on a CPU machine); the auto loader and the transformers Trainer on a patched
-    model; scripts/train_llama.py --tiny."""
+    Triton's interpreter on a CPU machine); the auto loader, the transformers Trainer and PEFT's
+    adapters on a patched model; scripts/train_llama.py --tiny."""
     constraints = _pinned(session, {"transformers": TRANSFORMERS[transformers]})
     paths = [f"packages/{p}" for p in PACKAGES]
-    session.install("-c", constraints, "pytest", *USAGE_EXTRA, *paths)
+    session.install("-c", constraints, "pytest", "peft", *USAGE_EXTRA, *paths)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "models", *session.posargs, env=CUDA_ENV)
 
 

@@ -2,7 +2,7 @@
 
 Padded batches (left and right), packed documents, sliding windows, `torch.compile` of the whole
 model, batched `generate()` with the dynamic and the static cache (eager, and compiled as transformers
-compiles it on a GPU), gradient checkpointing, the `Trainer` with a padding
+compiles it on a GPU), gradient checkpointing, PEFT adapters, the `Trainer` with a padding
 and a packing collator, and the loss of a bfloat16 model: each on a tiny random-initialised Llama
 and Qwen2 (and Mistral for its window) on the reference backend, in float32 and float64.
 transformers in float64 still computes its RMSNorm in float32, so the two agree to float32's
@@ -101,6 +101,38 @@ def test_gradient_checkpointing_agrees(reentrant: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     tokens, mask, labels = padded_batch("left")
     agree(hf, patched, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
+
+
+LORA_TARGETS = {"projections": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "and the head": ["q_proj", "down_proj", "lm_head"]}
+
+
+@pytest.mark.parametrize("saved_head", [False, True], ids=["", "modules_to_save"])
+@pytest.mark.parametrize("targets", list(LORA_TARGETS))
+@pytest.mark.parametrize("order", ["patch, then adapters", "adapters, then patch"])
+def test_peft_adapters_agree(order: str, targets: str, saved_head: bool) -> None:
+    """PEFT's LoRA adapters (non-zero from the start) on the projections, and on the language-model
+    head too, or a trainable copy of the head (``modules_to_save``, as when tokens are added), put
+    on before or after patching: the loss and the adapters' gradients are those of transformers'
+    model with the same adapters. The fused loss reads only a plain head's weight, so a wrapped head
+    makes its own logits."""
+    peft = pytest.importorskip("peft")
+
+    def adapted(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[targets], lora_dropout=0.0,
+                                 init_lora_weights=False, modules_to_save=["lm_head"] if saved_head else None)
+        return peft.get_peft_model(model, config)
+
+    hf, patched = pair("llama")
+    if order == "patch, then adapters":
+        patched = adapted(patched)
+    else:
+        kpt.unpatch(patched)
+        patched = adapted(patched)
+        kpt.patch(patched.base_model.model)
+    tokens, mask, labels = padded_batch("left")
+    agree(adapted(hf), patched, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

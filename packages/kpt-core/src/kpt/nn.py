@@ -142,7 +142,7 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         kernel = getattr(backend(gate), ACTIVATIONS[self.activation])
         down = self.down_proj
-        if self.recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and _plain_linear(down):
+        if self.recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(down):
             return _RecomputedProduct.apply(gate, up, down.weight, down.bias, kernel)
         return down(kernel(gate, up))
 
@@ -150,7 +150,7 @@ class GatedMLP(nn.Module):
         return f"activation={self.activation!r}" + ("" if self.recompute else ", recompute=False")
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` as torch defines it: no subclass, no hooks, no ``forward`` set on it (an
     adapter or an offloading wrapper), so that its math can run inside another function."""
     return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
@@ -164,7 +164,7 @@ def project_heads(o_proj: nn.Module, out: Tensor) -> Tensor:
     autograd, a plain ``nn.Linear`` keeps ``out`` only and the backward copies it again, so a layer
     holds one ``[B, S, H·D]`` activation less. Otherwise, and under ``torch.compile``, ``o_proj``
     is called as it is."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and _plain_linear(o_proj):
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(o_proj):
         return _HeadsProjection.apply(out, o_proj.weight, o_proj.bias)
     b, _, s, _ = out.shape
     return o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -490,7 +490,9 @@ def _experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_
 def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     """A ``*ForCausalLM`` forward whose loss is kpt's ``linear_cross_entropy`` on the shifted labels
     (as transformers' ``ForCausalLMLoss``, ``num_items_in_batch`` included; float32 whatever the
-    model's dtype); without labels, the model's own forward. Positional arguments are matched to the
+    model's dtype); without labels, the model's own forward. A head that is not a plain
+    ``nn.Linear`` when the model runs (an adapter on it: PEFT's LoRA, ``modules_to_save``) makes its
+    own logits, then kpt's ``cross_entropy``. Positional arguments are matched to the
     names of the class's own ``forward`` (read when patching: `_positional`), so that a release that
     renames one (``past_key_values`` became ``cache`` in 5.24) is followed, and every argument
     reaches the model by keyword."""
@@ -511,8 +513,16 @@ def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     head = self.get_output_embeddings()
-    loss = knn.LinearCrossEntropyLoss(reduction="mean" if num_items is None else "sum")(
-        hidden, head.weight, shift_labels.to(hidden.device), head.bias)
+    target = shift_labels.to(hidden.device)
+    reduction = "mean" if num_items is None else "sum"
+    if knn.plain_linear(head):
+        loss = knn.LinearCrossEntropyLoss(reduction=reduction)(hidden, head.weight, target, head.bias)
+    else:
+        # an adapter or a wrapper on the head (PEFT's LoRA or modules_to_save) computes more than
+        # head.weight: its own forward gives the logits, taken in float32 as transformers' loss does
+        logits = head(hidden).float()
+        loss = knn.backend(logits).cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                 reduction=reduction)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
