@@ -448,6 +448,34 @@ def _train(model: torch.nn.Module, collator: object, data: list[dict], out: Path
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+def test_trainer_evaluation_with_metrics_matches(tmp_path: Path) -> None:
+    """``Trainer.evaluate`` with ``compute_metrics`` (which reads the logits): the patched model in
+    evaluation gives its logits and loss, as transformers' model does (training, the fused loss
+    gives no logits; before, evaluating a patched model failed in the Trainer's prediction step)."""
+    hf, patched = pair("llama")
+    tokenizer = _tokenizer()
+    g = torch.Generator().manual_seed(4)
+    texts = [" ".join(f"w{int(t)}" for t in torch.randint(2, TINY["vocab_size"], (n,), generator=g))
+             for n in (9, 4, 13, 6, 11)]
+    data = [{"input_ids": tokenizer(t)["input_ids"]} for t in texts]
+
+    def metrics(prediction: transformers.EvalPrediction) -> dict[str, float]:
+        logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+        kept = labels[:, 1:] != -100
+        return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:])[kept].float().mean()),
+                "logit_sum": float(logits[:, :-1][kept].double().sum())}
+
+    results = []
+    for model in (hf, patched):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[],
+                                              use_cpu=True)
+        trainer = transformers.Trainer(model=model, args=args, eval_dataset=data, compute_metrics=metrics,
+                                       data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        results.append(trainer.evaluate())
+    for key in ("eval_loss", "eval_accuracy", "eval_logit_sum"):
+        torch.testing.assert_close(results[1][key], results[0][key], rtol=1e-5, atol=1e-4, msg=key)
+
+
 @pytest.mark.parametrize("collator", ["padding", "packing", "varlen"])
 def test_trainer_with_a_padding_and_a_packing_collator_matches(collator: str, tmp_path: Path) -> None:
     """Three Trainer steps, patched against unpatched: a padding collator, a packing one (restarting

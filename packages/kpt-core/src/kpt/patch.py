@@ -488,9 +488,10 @@ def _experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_
 
 
 def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """A ``*ForCausalLM`` forward whose loss is kpt's ``linear_cross_entropy`` on the shifted labels
-    (as transformers' ``ForCausalLMLoss``, ``num_items_in_batch`` included; float32 whatever the
-    model's dtype); without labels, the model's own forward. A head that is not a plain
+    """A ``*ForCausalLM`` forward whose loss in training is kpt's ``linear_cross_entropy`` on the
+    shifted labels (as transformers' ``ForCausalLMLoss``, ``num_items_in_batch`` included; float32
+    whatever the model's dtype), with no logits; without labels, or in evaluation (``model.eval()``,
+    as ``Trainer.evaluate`` sets it: metrics read the logits), the model's own forward. A head that is not a plain
     ``nn.Linear`` when the model runs (an adapter on it: PEFT's LoRA, ``modules_to_save``) makes its
     own logits, then kpt's ``cross_entropy``. Positional arguments are matched to the
     names of the class's own ``forward`` (read when patching: `_positional`), so that a release that
@@ -500,9 +501,9 @@ def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     if len(args) > len(names):
         raise TypeError(f"{type(self).__name__}.forward takes at most {len(names)} positional arguments")
     named = {**dict(zip(names, args)), **kwargs}
-    labels = named.pop("labels", None)
-    if labels is None:
-        return type(self).forward(self, **named)
+    if named.get("labels") is None or not self.training:
+        return type(self).forward(self, **named)  # no loss, or evaluation, whose metrics read the logits
+    labels = named.pop("labels")
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     num_items = named.pop("num_items_in_batch", None)
@@ -615,7 +616,7 @@ def _plan(model: Any, attention: bool, loss: bool) -> _Plan:
         if why:
             plan.leave("loss", why)
         else:
-            plan.swap("loss: linear_cross_entropy (no logits with labels, float32)", _loss_override(model))
+            plan.swap("loss: linear_cross_entropy (training with labels: no logits, float32)", _loss_override(model))
     return plan
 
 
