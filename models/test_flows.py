@@ -2,8 +2,9 @@
 
 Padded batches (left and right), packed documents, sliding windows, `torch.compile` of the whole
 model, batched `generate()` with the dynamic and the static cache (eager, and compiled as transformers
-compiles it on a GPU), gradient checkpointing, PEFT adapters, the `Trainer` with a padding
-and a packing collator, and the loss of a bfloat16 model: each on a tiny random-initialised Llama
+compiles it on a GPU), gradient checkpointing, mixed precision (autocast), PEFT adapters, the
+`Trainer` with a padding and a packing collator and in evaluation, and the loss of a bfloat16
+model: each on a tiny random-initialised Llama
 and Qwen2 (and Mistral for its window) on the reference backend, in float32 and float64.
 transformers in float64 still computes its RMSNorm in float32, so the two agree to float32's
 tolerance, not float64's.
@@ -446,6 +447,43 @@ def _train(model: torch.nn.Module, collator: object, data: list[dict], out: Path
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_mixed_precision_training_agrees(family: str, tmp_path: Path) -> None:
+    """A float32 model trained under autocast to bfloat16 (mixed precision, as ``Trainer(bf16=True)``
+    runs it; on a CPU machine, CPU autocast): the loss is float32 and the gradients are as near the
+    float32 model's as transformers' own under autocast are (within twice their error, the bfloat16
+    rounding of each). Before, rope refused float32 tables beside the projections' bfloat16 q, and
+    the loss came back in bfloat16. Then three steps of ``Trainer(bf16=True)`` give transformers' losses."""
+    hf, patched = pair(family)
+    tokens, mask, labels = padded_batch("left")
+    grads = []
+    for model, autocast in ((hf, True), (patched, True), (copy.deepcopy(hf), False)):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=tokens, attention_mask=mask, labels=labels).loss
+        assert loss.dtype == torch.float32
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    hf_grads, patched_grads, exact = grads
+    assert patched_grads.keys() == exact.keys()
+    for name, g in exact.items():
+        own = float((hf_grads[name] - g).norm() / g.norm())
+        assert float((patched_grads[name] - g).norm() / g.norm()) <= 2 * own + 1e-3, name
+    losses = []
+    for model in (hf, patched):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=3,
+                                              optim="sgd", learning_rate=0.1, report_to=[], use_cpu=True, bf16=True,
+                                              logging_steps=1, save_strategy="no", seed=0)
+        data = [{"input_ids": t[m.bool()].tolist()} for t, m in zip(tokens, mask)] * 3
+        tokenizer = _tokenizer()
+        collate = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+        trainer.train()
+        losses.append(torch.tensor([log["loss"] for log in trainer.state.log_history if "loss" in log]))
+    assert len(losses[0]) == 3
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
 
 
 def test_trainer_evaluation_with_metrics_matches(tmp_path: Path) -> None:

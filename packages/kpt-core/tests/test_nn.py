@@ -270,3 +270,33 @@ def test_layers_compile_in_one_graph() -> None:
 def test_a_norm_given_the_wrong_width_names_its_input(layer: type) -> None:
     with pytest.raises(kpt.KernelInputError, match=r"input has shape \(8, 32\); expected \[\.\.\., 64\]"):
         layer(64)(torch.randn(8, 32))
+
+
+def test_a_kernel_call_under_autocast_computes_as_the_contract_says() -> None:
+    """Autocast (mixed precision) stops at a kernel call: a float32 call gives the float32 result it
+    gives without autocast, though the reference's body runs torch products autocast would take in
+    bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(5, 16, generator=g), torch.randn(8, 16, generator=g)
+    reference = kpt.get_backend("reference")
+    plain = reference.linear(x, weight, activation="gelu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = reference.linear(x, weight, activation="gelu")
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, plain)
+
+
+def test_layers_built_on_products_take_autocasts_dtype() -> None:
+    """Under autocast, `kpt.nn.LinearCrossEntropyLoss` multiplies bfloat16 operands, as ``F.linear``
+    would (into the float32 logits the contract takes; its gradients reach the float32
+    parameters), and returns a float32 loss."""
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(32, 16, requires_grad=True)
+    target = torch.randint(0, 32, (6,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = kpt.nn.LinearCrossEntropyLoss()(hidden, weight, target)
+    expected = F.cross_entropy(F.linear(hidden.bfloat16().float(), weight.bfloat16().float()), target)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+    loss.backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32 and weight.grad.abs().sum() > 0

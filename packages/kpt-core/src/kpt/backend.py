@@ -205,23 +205,42 @@ class Backend(KernelMethods):
             values, traced = dtensors, True
         if spec.check_indices is not None and not traced and indices_checked(self.checks_indices):
             spec.check_indices(bound)
-        if compiling and kernel in self.compiler_fuses:
-            out = spec.forward(*values)  # the contract's torch expression, for Inductor to fuse
-        elif traced:
-            # one op for the compiler to trace (or to run its fake implementation on meta tensors)
-            if not spec.differentiable:
-                values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
-            out = registration.ops[kernel](*values)
-        elif needs_grad:
-            out = registration.functions[kernel](*values)
-        elif grad_enabled and requires_grad:
-            # inputs outside ``spec.differentiable`` that require grad: the result carries no graph
-            with torch.no_grad():
-                out = registration.kernels[kernel].forward(*values)
+        if torch._C._is_any_autocast_enabled():
+            # a kernel computes as the contract says for the dtypes it is given: autocast's casts
+            # (mixed precision) would reach the torch operations of a body, of the compiler's
+            # expression or of an op's fake implementation (a 16-bit product where the contract
+            # takes float32), so they stop at the call
+            device = next(v.device.type for v in values if isinstance(v, torch.Tensor))
+            with torch.autocast(device, enabled=False):
+                out = _run(registration, spec, values, compiling and kernel in self.compiler_fuses, traced,
+                           needs_grad, grad_enabled and requires_grad)
         else:
-            out = registration.kernels[kernel].forward(*values)
+            out = _run(registration, spec, values, compiling and kernel in self.compiler_fuses, traced, needs_grad,
+                       grad_enabled and requires_grad)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
+
+
+def _run(registration: _Registration, spec: KernelSpec, values: list[Any], fused: bool, traced: bool,
+         needs_grad: bool, inputs_require_grad: bool) -> Any:
+    """The forward of a checked call (`Backend.call`): the contract's torch expression where the
+    compiler ``fused`` it, the op where ``traced``, the autograd function where it ``needs_grad``,
+    else the body (without a graph where only inputs outside ``spec.differentiable`` require grad)."""
+    kernel = spec.name
+    if fused:
+        return spec.forward(*values)  # the contract's torch expression, for Inductor to fuse
+    if traced:
+        # one op for the compiler to trace (or to run its fake implementation on meta tensors)
+        if not spec.differentiable:
+            values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+        return registration.ops[kernel](*values)
+    if needs_grad:
+        return registration.functions[kernel](*values)
+    if inputs_require_grad:
+        # inputs outside ``spec.differentiable`` that require grad: the result carries no graph
+        with torch.no_grad():
+            return registration.kernels[kernel].forward(*values)
+    return registration.kernels[kernel].forward(*values)
 
 
 def _naming_bad_calls(kernel: str, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -50,6 +50,19 @@ def backend(t: Tensor) -> Backend:
     return found
 
 
+def _autocast(*tensors: Tensor) -> list[Tensor]:
+    """``tensors`` as autocast would give them to a matrix product (``F.linear``): in its 16-bit
+    dtype where it is on for their device (mixed precision: the Trainer's ``bf16=True``), else as
+    they are. kpt's kernels take what they are given (autocast stops at `kpt.Backend.call`), so the
+    layers built on products cast their operands here, and a float32 model under autocast runs its
+    loss head and experts in 16 bits as transformers' layers do."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype(device)
+    return [t.to(dtype) for t in tensors]
+
+
 def _width(layer: str, x: Any, size: int) -> None:
     """A norm layer's input ends in the layer's size: the error names the input, not the weight."""
     if isinstance(x, Tensor) and (x.dim() == 0 or x.shape[-1] != size):
@@ -112,8 +125,9 @@ class GatedMLP(nn.Module):
     product is a ``[tokens, intermediate]`` tensor in every layer, so the activations held for the
     backward shrink by about a sixth of a Llama block's, for one elementwise pass per layer. It
     applies where ``down_proj`` is a plain ``nn.Linear`` (no hooks, no replaced ``forward``, as an
-    adapter or an offloading wrapper would set); otherwise, without gradients, and under
-    ``torch.compile`` (whose partitioner chooses what to keep), the layer calls ``down_proj`` as it is.
+    adapter or an offloading wrapper would set); otherwise, without gradients, under autocast and
+    under ``torch.compile`` (whose partitioner chooses what to keep), the layer calls ``down_proj`` as
+    it is (`_linear_in_function`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
@@ -142,7 +156,7 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         kernel = getattr(backend(gate), ACTIVATIONS[self.activation])
         down = self.down_proj
-        if self.recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(down):
+        if self.recompute and _linear_in_function(down, gate):
             return _RecomputedProduct.apply(gate, up, down.weight, down.bias, kernel)
         return down(kernel(gate, up))
 
@@ -157,14 +171,24 @@ def plain_linear(module: nn.Module) -> bool:
             and "forward" not in module.__dict__)
 
 
+def _linear_in_function(module: nn.Module, x: Tensor) -> bool:
+    """Whether ``module``'s product with ``x`` may run inside one of kpt's autograd Functions, which
+    keep less for the backward: gradients wanted, no ``torch.compile`` tracing (its partitioner
+    chooses what to keep), no autocast on ``x``'s device (the mixed precision of the Trainer's
+    ``bf16=True``: its casts do not reach a Function's backward, where a 16-bit gradient would meet
+    the float32 weight), and a `plain_linear` module."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(x.device.type) and plain_linear(module))
+
+
 def project_heads(o_proj: nn.Module, out: Tensor) -> Tensor:
     """``o_proj`` of attention's output ``out [B, H, S, D]`` with the heads side by side per token.
 
     That layout is a copy of ``out``, which the attention already keeps for its backward: under
     autograd, a plain ``nn.Linear`` keeps ``out`` only and the backward copies it again, so a layer
-    holds one ``[B, S, H·D]`` activation less. Otherwise, and under ``torch.compile``, ``o_proj``
-    is called as it is."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(o_proj):
+    holds one ``[B, S, H·D]`` activation less. Otherwise (`_linear_in_function`) ``o_proj`` is
+    called as it is."""
+    if _linear_in_function(o_proj, out):
         return _HeadsProjection.apply(out, o_proj.weight, o_proj.bias)
     b, _, s, _ = out.shape
     return o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -322,7 +346,10 @@ class LinearCrossEntropyLoss(nn.Module):
         self.reduction = reduction
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
-        """``hidden``: ``[..., K]``; ``weight``: ``[V, K]``; ``target``: ``hidden.shape[:-1]``, int64."""
+        """``hidden``: ``[..., K]``; ``weight``: ``[V, K]``; ``target``: ``hidden.shape[:-1]``, int64.
+        Under autocast the product takes its 16-bit dtype (`_autocast`); the loss is float32."""
+        hidden, weight, *rest = _autocast(hidden, weight, *([] if bias is None else [bias]))
+        bias = rest[0] if rest else None
         return backend(hidden).linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, self.ignore_index,
             self.reduction)
@@ -340,7 +367,9 @@ def run_experts(x: Tensor, indices: Tensor, weights: Tensor, gate_up_proj: Tenso
                 activation: str) -> Tensor:
     """Gated-MLP experts: each token through its k experts, summed by its routing weights.
     ``x`` ``[T, H]``; ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows); ``down_proj``
-    ``[E, H, I]``. Dispatch, two grouped GEMMs around the fused activation, and combine."""
+    ``[E, H, I]``. Dispatch, two grouped GEMMs around the fused activation, and combine (under
+    autocast in its 16-bit dtype: `_autocast`)."""
+    x, gate_up_proj, down_proj = _autocast(x, gate_up_proj, down_proj)
     be = backend(x)
     x_sorted, offsets, order = be.moe_dispatch(x, indices.to(torch.int32), gate_up_proj.shape[0])
     gate, up = be.grouped_linear(x_sorted, offsets, gate_up_proj).chunk(2, dim=-1)

@@ -470,6 +470,9 @@ def _rotated(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor
     cos, sin = position_embeddings
     if cos.dim() == 3 and cos.shape[0] == 1:  # one table for the batch: kpt's [S, D] form
         cos, sin = cos[0], sin[0]
+    # under autocast (mixed precision: the Trainer's bf16=True) the projections give 16-bit q and k
+    # while the tables stay float32: the rotation takes q's dtype, as autocast's attention then would
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     q, k = knn.backend(q).rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     if cache is not None:
         # transformers 5.24 hands the layer's keyword arguments to the cache; earlier caches ignore them
