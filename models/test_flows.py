@@ -486,6 +486,22 @@ def test_mixed_precision_training_agrees(family: str, tmp_path: Path) -> None:
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
 
 
+def test_a_tuple_output_in_training_holds_the_loss_first() -> None:
+    """``return_dict=False`` (or a config's ``return_dict=False``) with labels in training: a tuple
+    whose first element is the loss, as transformers gives it (before, the patched loss asked the
+    base model for its hidden states by name and failed on its tuple)."""
+    hf, patched = pair("llama")
+    tokens, mask, labels = padded_batch("left")
+    expected = hf(input_ids=tokens, attention_mask=mask, labels=labels).loss
+    got = patched(input_ids=tokens, attention_mask=mask, labels=labels, return_dict=False)
+    assert isinstance(got, tuple)
+    close(got[0], expected, "loss")
+    patched.config.return_dict = False
+    got = patched(input_ids=tokens, attention_mask=mask, labels=labels)
+    assert isinstance(got, tuple)
+    close(got[0], expected, "loss")
+
+
 def test_trainer_evaluation_with_metrics_matches(tmp_path: Path) -> None:
     """``Trainer.evaluate`` with ``compute_metrics`` (which reads the logits): the patched model in
     evaluation gives its logits and loss, as transformers' model does (training, the fused loss

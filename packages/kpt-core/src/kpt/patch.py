@@ -512,7 +512,8 @@ def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     num_items = named.pop("num_items_in_batch", None)
     shift_labels = named.pop("shift_labels", None)
     named.pop("logits_to_keep", None)  # with labels there are no logits to keep
-    outputs = self.model(**named)
+    return_dict = named.pop("return_dict", None)
+    outputs = self.model(**named, return_dict=True)
     hidden = outputs.last_hidden_state
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -530,7 +531,10 @@ def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
-    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    output = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    if not (getattr(self.config, "return_dict", True) if return_dict is None else return_dict):
+        return output.to_tuple()  # as transformers gives it, without the logits there are none of
+    return output
 
 
 def _positional(cls: Any) -> tuple[str, ...]:
