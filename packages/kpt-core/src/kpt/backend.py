@@ -205,6 +205,7 @@ class Backend(KernelMethods):
             values, traced = dtensors, True
         if spec.check_indices is not None and not traced and indices_checked(self.checks_indices):
             spec.check_indices(bound)
+        how = (compiling and kernel in self.compiler_fuses, traced, needs_grad, grad_enabled and requires_grad)
         if torch._C._is_any_autocast_enabled():
             # a kernel computes as the contract says for the dtypes it is given: autocast's casts
             # (mixed precision) would reach the torch operations of a body, of the compiler's
@@ -212,11 +213,9 @@ class Backend(KernelMethods):
             # takes float32), so they stop at the call
             device = next(v.device.type for v in values if isinstance(v, torch.Tensor))
             with torch.autocast(device, enabled=False):
-                out = _run(registration, spec, values, compiling and kernel in self.compiler_fuses, traced,
-                           needs_grad, grad_enabled and requires_grad)
+                out = _run(registration, spec, values, *how)
         else:
-            out = _run(registration, spec, values, compiling and kernel in self.compiler_fuses, traced, needs_grad,
-                       grad_enabled and requires_grad)
+            out = _run(registration, spec, values, *how)
         out = as_tuple(out)[: len(spec.outputs)]
         return out[0] if len(out) == 1 else out
 

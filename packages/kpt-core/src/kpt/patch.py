@@ -179,26 +179,48 @@ def _position_documents(position_ids: Any, s: int, device: torch.device) -> tupl
     if not isinstance(position_ids, Tensor) or position_ids.shape != (1, s):
         return None
     positions = position_ids[0].to(device)
-    starts = positions == positions.min()
+    smallest = positions.min()
+    starts = positions == smallest
     starts[0] = True  # the tokens before a first smallest position are a document too (flash leaves them out)
     if torch.compiler.is_compiling():
         document = starts.cumsum(0)
         return (document[:, None] == document[None, :])[None, None]
-    key = (position_ids._version, s, device)
-    for ref, checked_key, checked in _checked_positions:
-        if ref() is position_ids and checked_key == key:
-            return checked  # the model's other layers: one host read a forward
-    found = None
-    if bool((positions != torch.arange(s, device=device) + positions.min()).any()):
+    hit, found = _POSITIONS_READ.get((position_ids,), (s, device))
+    if hit:
+        return found
+    if bool((positions != torch.arange(s, device=device) + smallest).any()):
         cu = torch.cat([starts.nonzero().view(-1), torch.tensor([s], device=device)]).to(torch.int32)
         found = cu, int((cu[1:] - cu[:-1]).max())
-    _checked_positions[:] = [(weakref.ref(position_ids), key, found)]
+    _POSITIONS_READ.put((position_ids,), (s, device), found)
     return found
 
 
-_checked_positions: list[tuple[weakref.ref[Tensor], tuple[Any, ...], tuple[Tensor, int] | None]] = []
-"""The last one-row ``position_ids`` read by `_position_documents`, with its in-place version, length and
-device, and what it found."""
+class _LastRead:
+    """What the last host read of some tensors found (a forward's mask, varlen offsets or
+    positions): every layer of a model gets the same tensors, so one read (a wait for the device)
+    serves the forward. Found again while they are the same objects at the same in-place versions,
+    with the same ``key``."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[weakref.ref[Tensor], ...], tuple[Any, ...], Any] | None = None
+
+    def get(self, tensors: tuple[Tensor, ...], key: tuple[Any, ...]) -> tuple[bool, Any]:
+        """``(True, what was found)`` for these tensors and ``key``, else ``(False, None)``."""
+        if self._last is None:
+            return False, None
+        refs, last_key, found = self._last
+        same = len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors))
+        if same and last_key == (*(t._version for t in tensors), *key):
+            return True, found
+        return False, None
+
+    def put(self, tensors: tuple[Tensor, ...], key: tuple[Any, ...], found: Any) -> None:
+        self._last = tuple(weakref.ref(t) for t in tensors), (*(t._version for t in tensors), *key), found
+
+
+_POSITIONS_READ = _LastRead()  # `_position_documents`
+_OFFSETS_READ = _LastRead()  # `_offsets`
+_MASK_READ = _LastRead()  # `_kernel_mask`
 
 
 def _offsets(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv: int,
@@ -226,13 +248,12 @@ def _offsets(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv: int,
         raise KernelNotSupportedError(message)
     compiling = torch.compiler.is_compiling()
     given = kwargs.get("max_length_q")
-    key = (cu_q._version, cu_k._version, batch * sq, given, device)
+    read, key = (cu_q, cu_k), (batch * sq, given, device)
     cached = not compiling and not isinstance(given, Tensor)
     if cached:
-        for q_ref, k_ref, checked_key, checked in _checked_offsets:
-            if q_ref() is cu_q and k_ref() is cu_k and checked_key == key:
-                return checked  # the model's other layers: one check (and host read) a forward
-    cu_q_given, cu_k_given = cu_q, cu_k
+        hit, found = _OFFSETS_READ.get(read, key)
+        if hit:
+            return found
     cu_q, cu_k = cu_q.to(device), cu_k.to(device)
     longest = given
     if isinstance(longest, Tensor):
@@ -247,14 +268,8 @@ def _offsets(layer: int, kwargs: dict[str, Any], batch: int, sq: int, skv: int,
     elif not bool(exact):
         raise KernelNotSupportedError(message)
     if cached:
-        _checked_offsets[:] = [(weakref.ref(cu_q_given), weakref.ref(cu_k_given), key, (cu_q, longest))]
+        _OFFSETS_READ.put(read, key, (cu_q, longest))
     return cu_q, longest
-
-
-_checked_offsets: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor], tuple[Any, ...], tuple[Tensor, int | None]]] = []
-"""The last varlen offsets found exact (`_offsets`), with their in-place versions, the tokens, the
-given ``max_length_q`` and the device, and the result: one check for all the layers of a forward,
-which share them (each check reads the device on the host)."""
 
 
 def _document_of(cu: Tensor, batch: int, sq: int) -> Tensor:
@@ -345,11 +360,6 @@ VARLEN_TAKEN = ("packed documents as cu_seq_lens_q/cu_seq_lens_k",)
 """What a patched attention of a model loaded with ``flash_attention_*`` takes besides `MASKS_TAKEN`:
 FlashAttention's varlen offsets (`_varlen_attention_forward`)."""
 
-_checked: list[tuple[weakref.ref[Tensor], int]] = []
-"""The last 4-D mask found exact for kpt's attention (`_mask_conditions`), with its in-place
-version: one check for all the layers of a forward, which share it."""
-
-
 def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
                  ) -> tuple[bool, Tensor | None, Tensor, Tensor]:
     """``(causal, mask, k, v)`` for kpt's attention from what transformers passes a ``sdpa`` attention.
@@ -395,7 +405,7 @@ def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
     given = attention_mask[..., :skv]
     mask = given if given.dtype == torch.bool else given == 0
     compiling = torch.compiler.is_compiling()
-    if not compiling and any(r() is attention_mask and n == attention_mask._version for r, n in _checked):
+    if not compiling and _MASK_READ.get((attention_mask,), ())[0]:
         return causal, mask, k, v
     for exact, message in _mask_conditions(self.layer_idx, given, mask, causal, sq, skv):
         if compiling:
@@ -403,7 +413,7 @@ def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
         elif not bool(exact):
             raise KernelNotSupportedError(message)
     if not compiling:
-        _checked[:] = [(weakref.ref(attention_mask), attention_mask._version)]
+        _MASK_READ.put((attention_mask,), (), True)
     return causal, mask, k, v
 
 
@@ -493,10 +503,10 @@ def _experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_
 def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     """A ``*ForCausalLM`` forward whose loss in training is kpt's ``linear_cross_entropy`` on the
     shifted labels (as transformers' ``ForCausalLMLoss``, ``num_items_in_batch`` included; float32
-    whatever the model's dtype), with no logits; without labels, or in evaluation (``model.eval()``,
-    as ``Trainer.evaluate`` sets it: metrics read the logits), the model's own forward. A head that is not a plain
-    ``nn.Linear`` when the model runs (an adapter on it: PEFT's LoRA, ``modules_to_save``) makes its
-    own logits, then kpt's ``cross_entropy``. Positional arguments are matched to the
+    whatever the model's dtype), with no logits; the model's own forward without labels, in
+    evaluation (``model.eval()``, as ``Trainer.evaluate`` sets it: metrics read the logits), and
+    where the head is not a plain ``nn.Linear`` when the model runs (an adapter on it, as PEFT's
+    LoRA: the fused loss reads the weight only). Positional arguments are matched to the
     names of the class's own ``forward`` (read when patching: `_positional`), so that a release that
     renames one (``past_key_values`` became ``cache`` in 5.24) is followed, and every argument
     reaches the model by keyword."""
@@ -504,8 +514,9 @@ def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     if len(args) > len(names):
         raise TypeError(f"{type(self).__name__}.forward takes at most {len(names)} positional arguments")
     named = {**dict(zip(names, args)), **kwargs}
-    if named.get("labels") is None or not self.training:
-        return type(self).forward(self, **named)  # no loss, or evaluation, whose metrics read the logits
+    head = self.get_output_embeddings()
+    if named.get("labels") is None or not self.training or not knn.plain_linear(head):
+        return type(self).forward(self, **named)
     labels = named.pop("labels")
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -517,17 +528,8 @@ def _loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     hidden = outputs.last_hidden_state
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    head = self.get_output_embeddings()
-    target = shift_labels.to(hidden.device)
-    reduction = "mean" if num_items is None else "sum"
-    if knn.plain_linear(head):
-        loss = knn.LinearCrossEntropyLoss(reduction=reduction)(hidden, head.weight, target, head.bias)
-    else:
-        # an adapter or a wrapper on the head (PEFT's LoRA or modules_to_save) computes more than
-        # head.weight: its own forward gives the logits, taken in float32 as transformers' loss does
-        logits = head(hidden).float()
-        loss = knn.backend(logits).cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                 reduction=reduction)
+    loss = knn.LinearCrossEntropyLoss(reduction="mean" if num_items is None else "sum")(
+        hidden, head.weight, shift_labels.to(hidden.device), head.bias)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}

@@ -374,8 +374,7 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
             # an ignored row adds nothing, also where its hidden state or a weight holds inf or NaN
             # (its dz is 0, and 0 · inf would be NaN in the products)
             ignored = (target[r] == ignore_index)[:, None]
-            mm(dz, weight, out=dhidden[r])
-            dhidden[r].masked_fill_(ignored, 0.0)
+            mm(dz, weight, out=dhidden[r]).masked_fill_(ignored, 0.0)
             dweight.addmm_(dz.t(), h.masked_fill(ignored, 0.0))
             if bias is not None:
                 dbias += dz.sum(0, dtype=torch.float32)
