@@ -137,15 +137,15 @@ def test_causal_mask_is_the_last_columns_of_a_cached_band(sq):
 
 
 # (Sq, Skv, batch): calls that go to cuDNN, FlashAttention-2 or the warp-specialized forward unmasked
-LIBRARY_CALLS = {"equal": (64, 64, 1), "one_query": (1, 4096, 1), "chunk": (64, 4096, 1),
-                 "long_chunk": (2048, 8192, 4), "long_equal": (4096, 4096, 8)}
+LIBRARY_CALLS = {"one_query": (1, 4096, 1), "chunk": (64, 4096, 1), "long_chunk": (2048, 8192, 4),
+                 "odd_keys": (68, 68, 1)}
 
 
 @pytest.mark.parametrize("shape", LIBRARY_CALLS.values(), ids=LIBRARY_CALLS.keys())
-def test_masked_calls_run_the_portable_kernels(monkeypatch, shape):
-    """A call with a mask goes to the portable kernels, forward and backward, with the mask and the
-    arch's tuning keywords, where the same call without one goes to a library kernel or kpt's Hopper
-    forward: only they give the contract's result for a query that the mask hides every key from."""
+def test_masked_calls_of_other_lengths_run_the_portable_kernels(monkeypatch, shape):
+    """A call with a mask whose lengths differ (or whose key rows would not be 16-byte aligned as a
+    bias) goes to the portable kernels, forward and backward, with the mask and the arch's tuning
+    keywords, where the same call without one goes to a library kernel or kpt's Hopper forward."""
     sq, skv, batch = shape
     tuned = {"tiles": tuning.SM90_HBM3E["attention_fwd"]["tiles"],
              "warp_specialized": tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]}
@@ -153,7 +153,6 @@ def test_masked_calls_run_the_portable_kernels(monkeypatch, shape):
     k = torch.empty(batch, 2, skv, 128, dtype=torch.bfloat16)
     mask = torch.ones(batch, 1, 1, skv, dtype=torch.bool).expand(batch, 8, sq, skv)
     assert attention._library(q, k, True, 0.1, **tuned) is not None
-    assert attention._library(q, k, True, 0.1, backward=True) is not None
     assert attention._library(q, k, True, 0.1, **tuned, mask=mask) is None
     assert attention._library(q, k, True, 0.1, backward=True, mask=mask) is None
     calls = []
@@ -165,6 +164,35 @@ def test_masked_calls_run_the_portable_kernels(monkeypatch, shape):
     (fwd_args, fwd_tuning), (bwd_args, bwd_tuning) = calls
     assert fwd_args[5] is mask and bwd_args[5] is mask
     assert fwd_tuning["tiles"] is tuned["tiles"] and bwd_tuning == {"tiles": tuned["tiles"]}
+
+
+def test_masked_calls_of_equal_lengths_run_cudnn_with_a_bias():
+    """Training and prefill with a mask (padding, documents, the causal mask transformers builds
+    under torch.compile) run cuDNN with the mask as an additive bias, forward and backward; its
+    backward only to cuDNN's head dim."""
+    tuned = {"tiles": tuning.SM90_HBM3E["attention_fwd"]["tiles"],
+             "warp_specialized": tuning.SM90_HBM3E["attention_fwd"]["warp_specialized"]}
+    for s, d in ((64, 64), (4096, 128), (2048, 256)):
+        q = torch.empty(4, 8, s, d, dtype=torch.bfloat16)
+        k = torch.empty(4, 2, s, d, dtype=torch.bfloat16)
+        mask = torch.ones(4, 1, s, s, dtype=torch.bool).expand(4, 8, s, s)
+        assert attention._library(q, k, True, 0.1, **tuned, mask=mask) == "cudnn-bias"
+        assert attention._library(q, k, False, 0.1, mask=mask) == "cudnn-bias"
+        assert attention._library(q, k, True, 0.1, backward=True, mask=mask) == ("cudnn-bias" if d <= 128 else None)
+        assert attention._library(q.float(), k.float(), True, 0.1, mask=mask) is None
+
+
+def test_a_mask_becomes_an_additive_bias_made_once_per_batch_entry():
+    """`_mask_bias`: 0 where a key is seen, -inf where hidden, in the queries' dtype, built over the
+    batch and heads the mask varies over and broadcast (stride 0) over the rest."""
+    seen = torch.rand(3, 1, 5, 8) < 0.5
+    mask = seen.expand(3, 4, 5, 8)
+    bias = attention._mask_bias(mask, torch.bfloat16)
+    assert bias.shape == mask.shape and bias.dtype == torch.bfloat16 and bias.stride(1) == 0
+    assert torch.equal(bias == 0, mask) and bool(bias[~mask].eq(float("-inf")).all())
+    padding = (torch.rand(3, 1, 1, 8) < 0.5).expand(3, 4, 5, 8)
+    assert torch.equal(attention._compact(padding), padding[:, :1])
+    assert torch.equal(attention._mask_bias(padding, torch.float16) == 0, padding)
 
 
 def test_fused_kernels_get_aligned_views():
@@ -254,6 +282,40 @@ def test_cudnn_with_the_cached_causal_mask_matches_the_reference_on_hopper():
         o = be.attention(q.cuda(), k.cuda(), v.cuda(), causal=True)
         expected = ref.attention(q.double(), k.double(), v.double(), causal=True)
         torch.testing.assert_close(o.cpu().double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not attention.available(), reason="needs a Hopper GPU (cuDNN)")
+@pytest.mark.parametrize("form", ["padding", "documents", "causal_whole"])
+def test_cudnn_with_a_mask_matches_the_reference_on_hopper(form):
+    """Masked calls of equal lengths on cuDNN ("cudnn-bias"): output and gradients against the float64
+    reference, left-padded rows whose padding queries see no key among them (zeros, no gradient, no
+    NaN), packed documents, and the whole causal mask transformers builds under torch.compile."""
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, s, d = 3, 8, 2, 264, 64
+    if form == "padding":  # left padding: row i's first 40 * i keys hidden, and its queries there see none
+        keys = torch.arange(s)[None, :] >= 40 * torch.arange(b)[:, None]
+        mask = keys[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
+        mask = mask & keys[:, None, :, None]
+    elif form == "documents":
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate((100, 64, 100))])
+        mask = (doc[:, None] == doc[None, :]).tril().expand(b, 1, s, s)
+    else:
+        mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s)
+    q = torch.randn(b, hq, s, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, hkv, s, d, generator=g).bfloat16() for _ in range(2))
+    do = torch.randn(b, hq, s, d, generator=g).bfloat16()
+    be, ref = kpt.get_backend("cuda"), kpt.get_backend("reference")
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    assert attention._library(leaves[0], leaves[1], True, d ** -0.5, mask=mask.cuda().expand(b, hq, s, s)) == "cudnn-bias"
+    o = be.attention(*leaves, causal=True, mask=mask.cuda())
+    grads = torch.autograd.grad(o, leaves, do.cuda())
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = ref.attention(*exact, causal=True, mask=mask)
+    for got, want in zip((o, *grads), (expected, *torch.autograd.grad(expected, exact, do.double()))):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got.cpu().double(), want.detach(), rtol=2e-2, atol=5e-2)
+    if form == "padding":
+        assert bool((o[2, :, :80] == 0).all()) and bool((grads[0][2, :, :80] == 0).all())
 
 
 def test_grouped_linear_in_the_library_matches_the_reference():

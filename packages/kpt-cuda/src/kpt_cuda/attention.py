@@ -33,11 +33,17 @@ for it (`WarpSpecialized`), it runs that:
   single query and key) and FlashAttention-2's otherwise; both read the forward's ``(o, lse)``,
   whichever kernel computed them.
 
+* A call with a ``mask`` (padding, packed documents, and the whole causal mask transformers builds
+  under ``torch.compile``) at equal lengths, forward and backward: cuDNN with the mask as an
+  additive bias of 0 and -inf ("cudnn-bias", `_mask_bias`), the causal flag kept so that cuDNN skips
+  the blocks above the diagonal. A query the mask hides every key from gets the contract's result
+  after it: output 0 and lse -inf (cuDNN gives NaN there), and in the backward lse 0, so that each of
+  its probabilities is exp(-inf) = 0 and it passes no gradient. Other masked calls (different
+  lengths, a key length that is not a multiple of 8, head dims over `CUDNN_MAX_BACKWARD_HEAD_DIM` in
+  the backward) run the portable kernels.
+
 Both return the softmax statistics kpt's backward contract wants (``lse``, natural log, float32).
-Everything else runs the portable kernels: a call with a ``mask``, forward and backward (they give
-the contract's result exactly, a query whose keys the mask hides entirely included: zeros, lse = -inf,
-zero gradients; the fused kernels take a mask only as cuDNN's additive bias, whose result for such a
-query is not the contract's to rely on), float32, head dimensions that are not a multiple of 8, a
+Everything else runs the portable kernels: float32, head dimensions that are not a multiple of 8, a
 zero ``scale`` (where the fused kernels return NaN), queries that see no key (causal with
 ``Sq > Skv``, or ``Skv == 0``), empty tensors, GPUs other than Hopper (`available`).
 """
@@ -127,15 +133,19 @@ def _library(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, backw
              decode: portable.Decode = portable.PORTABLE_DECODE,
              tiles: portable.TilesByHeadDim | None = None,
              warp_specialized: WarpSpecialized | None = None, mask: torch.Tensor | None = None) -> str | None:
-    """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "flash",
-    "warp-specialized" (kpt's Hopper forward, where the arch's tuning gives it a ``warp_specialized``
-    plan), or None where the portable kernels run the call (every call with a ``mask``; its decode
-    kernel with the plan ``decode`` among them, its forward with the arch's ``tiles``)."""
+    """"cudnn", "cudnn-mask" (cuDNN with kpt's causal mask as an additive bias), "cudnn-bias" (cuDNN
+    with the call's ``mask`` as one), "flash", "warp-specialized" (kpt's Hopper forward, where the
+    arch's tuning gives it a ``warp_specialized`` plan), or None where the portable kernels run the
+    call (its decode kernel with the plan ``decode`` among them, its forward with the arch's ``tiles``)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
-    if (mask is not None or q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
+    if (q.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM or q.numel() == 0 or skv == 0
             or (causal and sq > skv) or scale == 0.0):
         return None
+    if mask is not None:
+        if sq != skv or sq == 1 or skv % 8 or (backward and d > CUDNN_MAX_BACKWARD_HEAD_DIM):
+            return None
+        return "cudnn-bias"
     if backward:
         return "cudnn" if sq == skv > 1 and d <= CUDNN_MAX_BACKWARD_HEAD_DIM else "flash"
     if sq == 1:
@@ -223,6 +233,24 @@ def _cached_band(sq: int, width: int, dtype: torch.dtype, dev: torch.device) -> 
     if band.is_cuda:
         torch.cuda.current_stream(dev).synchronize()
     return band
+
+
+def _compact(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean ``mask`` [B, H, Sq, Skv] as the contract hands it (expanded: stride 0 where it
+    broadcasts) without its repeats over the batch and the heads."""
+    for dim in (0, 1):
+        if mask.stride(dim) == 0:
+            mask = mask.narrow(dim, 0, 1)
+    return mask
+
+
+def _mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cuDNN's additive bias for a boolean ``mask`` [B, H, Sq, Skv]: 0 where a key is seen, -inf where
+    it is hidden, in ``dtype``; made once over the dimensions the mask broadcasts over (`_compact`)
+    and expanded. Rows are ``Skv`` apart: 16-byte aligned for ``Skv % 8 == 0``."""
+    compact = _compact(mask)
+    bias = torch.full(compact.shape, float("-inf"), dtype=dtype, device=mask.device)
+    return bias.masked_fill_(compact, 0.0).expand(mask.shape)
 
 
 def _fused_layout(t: torch.Tensor) -> torch.Tensor:
@@ -509,8 +537,8 @@ def attention_fwd(q, k, v, causal, scale, mask, *, decode: portable.Decode = por
                   **tuning: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` like the portable `kpt_triton.attention.attention_fwd`, whose tuning keywords
     (the decode kernel's plan and the forward's tiles among them, `kpt_cuda.tuning`) it passes on
-    when it hands a call over (every call with a ``mask``); ``warp_specialized`` is the arch's plan
-    for kpt's Hopper forward."""
+    when it hands a call over (`_library`); ``warp_specialized`` is the arch's plan for kpt's Hopper
+    forward."""
     library = _library(q, k, causal, scale, decode=decode, tiles=tiles, warp_specialized=warp_specialized,
                        mask=mask)
     if library is None:
@@ -520,6 +548,13 @@ def attention_fwd(q, k, v, causal, scale, mask, *, decode: portable.Decode = por
     if library == "warp-specialized":
         assert warp_specialized is not None  # _library picks it only with the arch's plan
         return warp_specialized_fwd(q, k, v, causal, scale, warp_specialized)
+    if library == "cudnn-bias":
+        o, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, _mask_bias(mask, q.dtype), True, 0.0, causal,
+                                                           False, scale=scale)[:2]
+        o, lse = o.contiguous(), lse.reshape(q.shape[:3]).contiguous()
+        sees = _compact(mask).any(-1)
+        # a query that sees no key: cuDNN's NaN becomes the contract's zeros and -inf
+        return o.masked_fill_(~sees.unsqueeze(-1), 0.0), lse.masked_fill_(~sees, float("-inf"))
     if library == "cudnn":
         o, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     elif library == "cudnn-mask":
@@ -533,9 +568,9 @@ def attention_fwd(q, k, v, causal, scale, mask, *, decode: portable.Decode = por
 def attention_bwd(q, k, v, causal, scale, mask, o, lse, do, **tuning: Any
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like the portable `kpt_triton.attention.attention_bwd`, from the forward's
-    ``(o, lse)`` (the portable kernel's for every call with a ``mask``, which the portable backward
-    takes too). No dropout, no sequence offsets: the random-state arguments are placeholders the
-    fused kernels do not read, the offsets undefined (an empty tensor would mean a varlen batch)."""
+    ``(o, lse)``, whichever kernel computed them. No dropout, no sequence offsets: the random-state
+    arguments are placeholders the fused kernels do not read, the offsets undefined (an empty tensor
+    would mean a varlen batch)."""
     library = _library(q, k, causal, scale, backward=True, mask=mask)
     if library is None or do is None:
         return portable.attention_bwd(q, k, v, causal, scale, mask, o, lse, do, **tuning)
@@ -545,7 +580,12 @@ def attention_bwd(q, k, v, causal, scale, mask, o, lse, do, **tuning: Any
     o, do = (_fused_layout(t.contiguous()) for t in (o, do))  # the backward takes o and dO contiguous
     lse = lse.contiguous()
     unused = torch.empty((), dtype=torch.int64, device=q.device)
-    if library == "cudnn":
+    if library == "cudnn-bias":
+        # a query that sees no key (lse -inf): lse 0 makes each of its probabilities exp(-inf - 0) = 0
+        grads = _aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, o, lse.nan_to_num(neginf=0.0).unsqueeze(-1), unused, unused, _mask_bias(mask, q.dtype),
+            None, None, sq, skv, 0.0, causal, scale=scale)
+    elif library == "cudnn":
         grads = _aten._scaled_dot_product_cudnn_attention_backward(
             do, q, k, v, o, lse.unsqueeze(-1), unused, unused, None, None, None, sq, skv, 0.0, causal, scale=scale)
     else:
