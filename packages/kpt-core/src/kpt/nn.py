@@ -123,11 +123,12 @@ class GatedMLP(nn.Module):
     With ``recompute`` (the default), training keeps ``gate`` and ``up`` for the backward but not
     their product, the input of ``down_proj``: the backward runs the kernel again to get it. That
     product is a ``[tokens, intermediate]`` tensor in every layer, so the activations held for the
-    backward shrink by about a sixth of a Llama block's, for one elementwise pass per layer. It
+    backward shrink by about a sixth of a Llama block's, for one elementwise pass per layer. The
+    product and ``down_proj`` are one custom op (``kpt_nn::gated_down``), so ``torch.compile`` keeps
+    this choice too (its partitioner keeps a product that a matrix product of the backward reads). It
     applies where ``down_proj`` is a plain ``nn.Linear`` (no hooks, no replaced ``forward``, as an
-    adapter or an offloading wrapper would set); otherwise, without gradients, under autocast and
-    under ``torch.compile`` (whose partitioner chooses what to keep), the layer calls ``down_proj`` as
-    it is (`_linear_in_function`).
+    adapter or an offloading wrapper would set); otherwise, without gradients and under autocast,
+    the layer calls ``down_proj`` as it is (`_linear_in_function`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
@@ -157,7 +158,7 @@ class GatedMLP(nn.Module):
         kernel = getattr(backend(gate), ACTIVATIONS[self.activation])
         down = self.down_proj
         if self.recompute and _linear_in_function(down, gate):
-            return _RecomputedProduct.apply(gate, up, down.weight, down.bias, kernel)
+            return torch.ops.kpt_nn.gated_down(gate, up, down.weight, down.bias, self.activation)
         return down(kernel(gate, up))
 
     def extra_repr(self) -> str:
@@ -172,79 +173,128 @@ def plain_linear(module: nn.Module) -> bool:
 
 
 def _linear_in_function(module: nn.Module, x: Tensor) -> bool:
-    """Whether ``module``'s product with ``x`` may run inside one of kpt's autograd Functions, which
-    keep less for the backward: gradients wanted, no ``torch.compile`` tracing (its partitioner
-    chooses what to keep), no autocast on ``x``'s device (the mixed precision of the Trainer's
-    ``bf16=True``: its casts do not reach a Function's backward, where a 16-bit gradient would meet
-    the float32 weight), and a `plain_linear` module."""
-    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(x.device.type) and plain_linear(module))
+    """Whether ``module``'s product with ``x`` may run inside one of kpt's custom ops, which keep
+    less for the backward (`GatedMLP`, `project_heads`): gradients wanted, no autocast on ``x``'s
+    device (the mixed precision of the Trainer's ``bf16=True``: its casts do not reach an op's
+    backward, where a 16-bit gradient would meet the float32 weight), and a `plain_linear` module."""
+    return torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type) and plain_linear(module)
 
 
 def project_heads(o_proj: nn.Module, out: Tensor) -> Tensor:
     """``o_proj`` of attention's output ``out [B, H, S, D]`` with the heads side by side per token.
 
     That layout is a copy of ``out``, which the attention already keeps for its backward: under
-    autograd, a plain ``nn.Linear`` keeps ``out`` only and the backward copies it again, so a layer
-    holds one ``[B, S, H·D]`` activation less. Otherwise (`_linear_in_function`) ``o_proj`` is
+    autograd, a plain ``nn.Linear`` keeps ``out`` only and the backward copies it again
+    (``kpt_nn::heads_projection``, a custom op, so that ``torch.compile`` keeps that choice too), so
+    a layer holds one ``[B, S, H·D]`` activation less. Otherwise (`_linear_in_function`) ``o_proj`` is
     called as it is."""
     if _linear_in_function(o_proj, out):
-        return _HeadsProjection.apply(out, o_proj.weight, o_proj.bias)
+        return torch.ops.kpt_nn.heads_projection(out, o_proj.weight, o_proj.bias)
     b, _, s, _ = out.shape
     return o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class _HeadsProjection(torch.autograd.Function):
-    """``linear(out.transpose(1, 2).reshape(B, S, H·D), weight, bias)``, keeping ``out`` (not its
-    transposed copy) for the backward (`project_heads`)."""
+# The two products above as custom ops with their own autograd: eager and compiled, the backward
+# keeps what they save (a compiled graph's partitioner would otherwise keep the copy and the product
+# that the backward's matrix products read). A bias that is absent comes back as an empty gradient.
 
-    @staticmethod
-    def forward(ctx: Any, out: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        b, _, s, _ = out.shape
-        ctx.save_for_backward(out, weight)
-        ctx.has_bias = bias is not None
-        return nn.functional.linear(out.transpose(1, 2).reshape(b, s, -1), weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        out, weight = ctx.saved_tensors
-        b, h, s, d = out.shape
-        rows = dy.reshape(-1, dy.shape[-1])
-        dout = dweight = dbias = None
-        if ctx.needs_input_grad[0]:
-            dout = rows.mm(weight).reshape(b, s, h, d).transpose(1, 2)
-        if ctx.needs_input_grad[1]:
-            dweight = rows.t().mm(out.transpose(1, 2).reshape(b * s, h * d))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = rows.sum(0)
-        return dout, dweight, dbias
+def _side_by_side(out: Tensor) -> Tensor:
+    b, h, s, d = out.shape
+    return out.transpose(1, 2).reshape(b * s, h * d)
 
 
-class _RecomputedProduct(torch.autograd.Function):
-    """``linear(kernel(gate, up), weight, bias)``, keeping ``gate``, ``up`` and ``weight`` for the
-    backward but not ``kernel(gate, up)``, which the backward computes again (`GatedMLP`)."""
+@torch.library.custom_op("kpt_nn::heads_projection", mutates_args=())
+def _heads_projection(out: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    b, _, s, _ = out.shape
+    return nn.functional.linear(_side_by_side(out), weight, bias).view(b, s, -1)
 
-    @staticmethod
-    def forward(ctx: Any, gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None, kernel: Any) -> Tensor:
-        with torch.no_grad():
-            product = kernel(gate, up)
-        ctx.save_for_backward(gate, up, weight)
-        ctx.kernel, ctx.has_bias = kernel, bias is not None
-        return nn.functional.linear(product, weight, bias)
 
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        gate, up, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-            product = ctx.kernel(g, u)
-        rows = dout.reshape(-1, dout.shape[-1])
-        dweight = rows.t().mm(product.detach().reshape(-1, product.shape[-1])) if ctx.needs_input_grad[2] else None
-        dbias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        dgate = dup = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dgate, dup = torch.autograd.grad(product, (g, u), dout.matmul(weight))
-        return dgate, dup, dweight, dbias, None
+@_heads_projection.register_fake
+def _(out: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return out.new_empty((out.shape[0], out.shape[2], weight.shape[0]))
+
+
+@torch.library.custom_op("kpt_nn::heads_projection_backward", mutates_args=())
+def _heads_projection_backward(dy: Tensor, out: Tensor, weight: Tensor, has_bias: bool
+                               ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dout [B, S, H, D], dweight, dbias)``: the caller turns dout's heads back."""
+    b, h, s, d = out.shape
+    rows = dy.reshape(-1, dy.shape[-1])
+    dbias = rows.sum(0) if has_bias else rows.new_empty(0)
+    return rows.mm(weight).view(b, s, h, d), rows.t().mm(_side_by_side(out)), dbias
+
+
+@_heads_projection_backward.register_fake
+def _(dy: Tensor, out: Tensor, weight: Tensor, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    b, h, s, d = out.shape
+    return out.new_empty((b, s, h, d)), weight.new_empty(weight.shape), dy.new_empty(weight.shape[0] if has_bias else 0)
+
+
+def _heads_projection_save(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    out, weight, bias = inputs
+    ctx.save_for_backward(out, weight)
+    ctx.has_bias = bias is not None
+
+
+def _heads_projection_grad(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+    out, weight = ctx.saved_tensors
+    dout, dweight, dbias = torch.ops.kpt_nn.heads_projection_backward(dy, out, weight, ctx.has_bias)
+    return dout.transpose(1, 2), dweight, dbias if ctx.has_bias else None
+
+
+_heads_projection.register_autograd(_heads_projection_grad, setup_context=_heads_projection_save)
+
+
+def _product(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    return getattr(backend(gate), ACTIVATIONS[activation])(gate, up)
+
+
+@torch.library.custom_op("kpt_nn::gated_down", mutates_args=())
+def _gated_down(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    with torch.no_grad():
+        return nn.functional.linear(_product(gate, up, activation), weight, bias)
+
+
+@_gated_down.register_fake
+def _(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("kpt_nn::gated_down_backward", mutates_args=())
+def _gated_down_backward(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor, has_bias: bool, activation: str
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dgate, dup, dweight, dbias)``, the product computed again."""
+    with torch.enable_grad():
+        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        product = _product(g, u, activation)
+    rows = dout.reshape(-1, dout.shape[-1])
+    dweight = rows.t().mm(product.detach().reshape(-1, product.shape[-1]))
+    dbias = rows.sum(0) if has_bias else rows.new_empty(0)
+    dgate, dup = torch.autograd.grad(product, (g, u), dout.matmul(weight))
+    return dgate.contiguous(), dup.contiguous(), dweight, dbias
+
+
+@_gated_down_backward.register_fake
+def _(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor, has_bias: bool, activation: str
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (gate.new_empty(gate.shape), up.new_empty(up.shape), weight.new_empty(weight.shape),
+            dout.new_empty(weight.shape[0] if has_bias else 0))
+
+
+def _gated_down_save(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    gate, up, weight, bias, activation = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.has_bias, ctx.activation = bias is not None, activation
+
+
+def _gated_down_grad(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+    gate, up, weight = ctx.saved_tensors
+    dgate, dup, dweight, dbias = torch.ops.kpt_nn.gated_down_backward(dout, gate, up, weight, ctx.has_bias,
+                                                                      ctx.activation)
+    return dgate, dup, dweight, dbias if ctx.has_bias else None, None
+
+
+_gated_down.register_autograd(_gated_down_grad, setup_context=_gated_down_save)
 
 
 class RotaryEmbedding(nn.Module):
