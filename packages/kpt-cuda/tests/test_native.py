@@ -306,7 +306,8 @@ def test_cudnn_with_a_mask_matches_the_reference_on_hopper(form):
     do = torch.randn(b, hq, s, d, generator=g).bfloat16()
     be, ref = kpt.get_backend("cuda"), kpt.get_backend("reference")
     leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
-    assert attention._library(leaves[0], leaves[1], True, d ** -0.5, mask=mask.cuda().expand(b, hq, s, s)) == "cudnn-bias"
+    full = mask.cuda().expand(b, hq, s, s)
+    assert attention._library(leaves[0], leaves[1], True, d ** -0.5, mask=full) == "cudnn-bias"
     o = be.attention(*leaves, causal=True, mask=mask.cuda())
     grads = torch.autograd.grad(o, leaves, do.cuda())
     exact = [t.double().requires_grad_() for t in (q, k, v)]
