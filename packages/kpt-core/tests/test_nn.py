@@ -118,6 +118,36 @@ def test_gated_mlp_recomputes_the_product(bias: bool) -> None:
     assert calls == [1]
 
 
+def _products(fn) -> int:
+    """How many matrix products ``fn()`` runs, those inside custom ops included (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name in ("aten::mm", "aten::addmm", "aten::bmm") for e in prof.events())
+
+
+def test_frozen_projections_get_no_gradient_and_cost_no_product() -> None:
+    """A frozen down_proj or o_proj (an adapter's base weights) in kpt's custom ops: the backward
+    computes no gradient for it, one matrix product fewer than with it trainable, and the input's
+    gradient is the same."""
+    torch.manual_seed(2)
+    mlp = kpt.nn.GatedMLP(16, 40, bias=True, dtype=torch.float64)
+    attn = kpt.nn.Attention(64, num_heads=4, num_kv_heads=2, bias=True, dtype=torch.float64)
+    for layer, projection, width in ((mlp, mlp.down_proj, 16), (attn, attn.o_proj, 64)):
+        x = torch.randn(3, 5, width, dtype=torch.float64, requires_grad=True)
+        dy = torch.randn(3, 5, width, dtype=torch.float64)
+        counts, dxs = [], []
+        for trainable in (True, False):
+            projection.requires_grad_(trainable)
+            projection.zero_grad(set_to_none=True)
+            y = layer(x)
+            counts.append(_products(lambda y=y, dy=dy: y.backward(dy)))
+            dxs.append(x.grad)
+            x.grad = None
+        assert projection.weight.grad is None and projection.bias.grad is None
+        assert counts[0] - counts[1] == 1, counts
+        torch.testing.assert_close(dxs[0], dxs[1], rtol=0, atol=0)
+
+
 def test_rotary_tables_and_rotation() -> None:
     rotary = kpt.nn.RotaryEmbedding(16, base=500.0)
     positions = torch.arange(6)

@@ -196,7 +196,8 @@ def project_heads(o_proj: nn.Module, out: Tensor) -> Tensor:
 
 # The two products above as custom ops with their own autograd: eager and compiled, the backward
 # keeps what they save (a compiled graph's partitioner would otherwise keep the copy and the product
-# that the backward's matrix products read). A bias that is absent comes back as an empty gradient.
+# that the backward's matrix products read). A gradient not wanted (a frozen weight, as under an
+# adapter; an absent bias) is not computed and comes back empty.
 
 def _side_by_side(out: Tensor) -> Tensor:
     b, h, s, d = out.shape
@@ -215,19 +216,21 @@ def _(out: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 @torch.library.custom_op("kpt_nn::heads_projection_backward", mutates_args=())
-def _heads_projection_backward(dy: Tensor, out: Tensor, weight: Tensor, has_bias: bool
+def _heads_projection_backward(dy: Tensor, out: Tensor, weight: Tensor, weight_grad: bool, bias_grad: bool
                                ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dout [B, S, H, D], dweight, dbias)``: the caller turns dout's heads back."""
     b, h, s, d = out.shape
     rows = dy.reshape(-1, dy.shape[-1])
-    dbias = rows.sum(0) if has_bias else rows.new_empty(0)
-    return rows.mm(weight).view(b, s, h, d), rows.t().mm(_side_by_side(out)), dbias
+    dweight = rows.t().mm(_side_by_side(out)) if weight_grad else rows.new_empty(0)
+    dbias = rows.sum(0) if bias_grad else rows.new_empty(0)
+    return rows.mm(weight).view(b, s, h, d), dweight, dbias
 
 
 @_heads_projection_backward.register_fake
-def _(dy: Tensor, out: Tensor, weight: Tensor, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _(dy: Tensor, out: Tensor, weight: Tensor, weight_grad: bool, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     b, h, s, d = out.shape
-    return out.new_empty((b, s, h, d)), weight.new_empty(weight.shape), dy.new_empty(weight.shape[0] if has_bias else 0)
+    return (out.new_empty((b, s, h, d)), weight.new_empty(weight.shape if weight_grad else 0),
+            dy.new_empty(weight.shape[0] if bias_grad else 0))
 
 
 def _heads_projection_save(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -238,8 +241,10 @@ def _heads_projection_save(ctx: Any, inputs: tuple[Any, ...], output: Tensor) ->
 
 def _heads_projection_grad(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
     out, weight = ctx.saved_tensors
-    dout, dweight, dbias = torch.ops.kpt_nn.heads_projection_backward(dy, out, weight, ctx.has_bias)
-    return dout.transpose(1, 2), dweight, dbias if ctx.has_bias else None
+    wanted = ctx.needs_input_grad
+    bias_grad = ctx.has_bias and wanted[2]
+    dout, dweight, dbias = torch.ops.kpt_nn.heads_projection_backward(dy, out, weight, wanted[1], bias_grad)
+    return dout.transpose(1, 2), dweight if wanted[1] else None, dbias if bias_grad else None
 
 
 _heads_projection.register_autograd(_heads_projection_grad, setup_context=_heads_projection_save)
@@ -261,24 +266,24 @@ def _(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None, activation:
 
 
 @torch.library.custom_op("kpt_nn::gated_down_backward", mutates_args=())
-def _gated_down_backward(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor, has_bias: bool, activation: str
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _gated_down_backward(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor, activation: str,
+                         weight_grad: bool, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dgate, dup, dweight, dbias)``, the product computed again."""
     with torch.enable_grad():
         g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
         product = _product(g, u, activation)
     rows = dout.reshape(-1, dout.shape[-1])
-    dweight = rows.t().mm(product.detach().reshape(-1, product.shape[-1]))
-    dbias = rows.sum(0) if has_bias else rows.new_empty(0)
+    dweight = rows.t().mm(product.detach().reshape(-1, product.shape[-1])) if weight_grad else rows.new_empty(0)
+    dbias = rows.sum(0) if bias_grad else rows.new_empty(0)
     dgate, dup = torch.autograd.grad(product, (g, u), dout.matmul(weight))
     return dgate.contiguous(), dup.contiguous(), dweight, dbias
 
 
 @_gated_down_backward.register_fake
-def _(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor, has_bias: bool, activation: str
+def _(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor, activation: str, weight_grad: bool, bias_grad: bool
       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (gate.new_empty(gate.shape), up.new_empty(up.shape), weight.new_empty(weight.shape),
-            dout.new_empty(weight.shape[0] if has_bias else 0))
+    return (gate.new_empty(gate.shape), up.new_empty(up.shape), weight.new_empty(weight.shape if weight_grad else 0),
+            dout.new_empty(weight.shape[0] if bias_grad else 0))
 
 
 def _gated_down_save(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -289,9 +294,11 @@ def _gated_down_save(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 
 def _gated_down_grad(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
     gate, up, weight = ctx.saved_tensors
-    dgate, dup, dweight, dbias = torch.ops.kpt_nn.gated_down_backward(dout, gate, up, weight, ctx.has_bias,
-                                                                      ctx.activation)
-    return dgate, dup, dweight, dbias if ctx.has_bias else None, None
+    wanted = ctx.needs_input_grad
+    bias_grad = ctx.has_bias and wanted[3]
+    dgate, dup, dweight, dbias = torch.ops.kpt_nn.gated_down_backward(dout, gate, up, weight, ctx.activation,
+                                                                      wanted[2], bias_grad)
+    return dgate, dup, dweight if wanted[2] else None, dbias if bias_grad else None, None
 
 
 _gated_down.register_autograd(_gated_down_grad, setup_context=_gated_down_save)
