@@ -40,7 +40,9 @@ for it (`WarpSpecialized`), it runs that:
   after it: output 0 and lse -inf (cuDNN gives NaN there), and in the backward lse 0, so that each of
   its probabilities is exp(-inf) = 0 and it passes no gradient. Other masked calls (different
   lengths, a key length that is not a multiple of 8, head dims over `CUDNN_MAX_BACKWARD_HEAD_DIM` in
-  the backward) run the portable kernels.
+  the backward) run the portable kernels. On an H100, forward and backward, 1.17 to 2.48× the portable
+  kernels and about half the unmasked rate (the bias is built and read by every head;
+  `benchmarks/models/h100.md`).
 
 Both return the softmax statistics kpt's backward contract wants (``lse``, natural log, float32).
 Everything else runs the portable kernels: float32, head dimensions that are not a multiple of 8, a
