@@ -128,7 +128,7 @@ class GatedMLP(nn.Module):
     this choice too (its partitioner keeps a product that a matrix product of the backward reads). It
     applies where ``down_proj`` is a plain ``nn.Linear`` (no hooks, no replaced ``forward``, as an
     adapter or an offloading wrapper would set); otherwise, without gradients and under autocast,
-    the layer calls ``down_proj`` as it is (`_linear_in_function`).
+    the layer calls ``down_proj`` as it is (`_linear_in_op`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
@@ -155,11 +155,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        kernel = getattr(backend(gate), ACTIVATIONS[self.activation])
         down = self.down_proj
-        if self.recompute and _linear_in_function(down, gate):
+        if self.recompute and _linear_in_op(down, gate):
             return torch.ops.kpt_nn.gated_down(gate, up, down.weight, down.bias, self.activation)
-        return down(kernel(gate, up))
+        return down(_product(gate, up, self.activation))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}" + ("" if self.recompute else ", recompute=False")
@@ -172,7 +171,7 @@ def plain_linear(module: nn.Module) -> bool:
             and "forward" not in module.__dict__)
 
 
-def _linear_in_function(module: nn.Module, x: Tensor) -> bool:
+def _linear_in_op(module: nn.Module, x: Tensor) -> bool:
     """Whether ``module``'s product with ``x`` may run inside one of kpt's custom ops, which keep
     less for the backward (`GatedMLP`, `project_heads`): gradients wanted, no autocast on ``x``'s
     device (the mixed precision of the Trainer's ``bf16=True``: its casts do not reach an op's
@@ -186,9 +185,9 @@ def project_heads(o_proj: nn.Module, out: Tensor) -> Tensor:
     That layout is a copy of ``out``, which the attention already keeps for its backward: under
     autograd, a plain ``nn.Linear`` keeps ``out`` only and the backward copies it again
     (``kpt_nn::heads_projection``, a custom op, so that ``torch.compile`` keeps that choice too), so
-    a layer holds one ``[B, S, H·D]`` activation less. Otherwise (`_linear_in_function`) ``o_proj`` is
+    a layer holds one ``[B, S, H·D]`` activation less. Otherwise (`_linear_in_op`) ``o_proj`` is
     called as it is."""
-    if _linear_in_function(o_proj, out):
+    if _linear_in_op(o_proj, out):
         return torch.ops.kpt_nn.heads_projection(out, o_proj.weight, o_proj.bias)
     b, _, s, _ = out.shape
     return o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -251,6 +250,7 @@ _heads_projection.register_autograd(_heads_projection_grad, setup_context=_heads
 
 
 def _product(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """``act(gate) * up``: the backend's fused kernel for ``activation`` (`ACTIVATIONS`)."""
     return getattr(backend(gate), ACTIVATIONS[activation])(gate, up)
 
 
