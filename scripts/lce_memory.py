@@ -5,7 +5,8 @@
 
 Forward and backward in bfloat16 at ``--shape`` N,K,V (default N=8192, K=4096, V=128256): the
 backend's call as a model makes it, eager ``F.linear`` then ``F.cross_entropy``, the same under
-``torch.compile``, and, for each of ``--chunk-rows``, kpt-triton's fused body with chunks of that many
+``torch.compile``, Liger-Kernel's fused loss where it is installed, and, for each of
+``--chunk-rows``, kpt-triton's fused body with chunks of that many
 rows (otherwise `kpt_triton.cross_entropy.chunk_rows` picks them). A chunk's gradient of the weight is
 added into the V x K gradient in place, which reads and writes it once a chunk: (N / rows) x 4VK
 bytes a step, against the chunk's three products, so fewer rows cost time and more rows memory.
@@ -74,6 +75,16 @@ def main() -> None:
     # name -> (step, rows a chunk where the step fixes them)
     steps: dict[str, tuple[Callable[[], Any], int | None]] = {
         "kpt (backend call)": (fused, None), "eager": (unfused, None), "torch.compile": (torch.compile(unfused), None)}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        print("Liger-Kernel: not installed", flush=True)
+    else:
+        def liger() -> Any:
+            loss = liger_fused_linear_cross_entropy(hidden, weight, target)
+            return torch.autograd.grad(loss, (hidden, weight))
+
+        steps["Liger-Kernel"] = (liger, None)
     if opts.chunk_rows:
         from kpt_triton.cross_entropy import linear_cross_entropy_fwd
 

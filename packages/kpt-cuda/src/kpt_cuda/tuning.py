@@ -191,9 +191,6 @@ _SPILLS_SM90 = {
     "_rms_norm_bwd_kernel": "4 rows of 4096 (2 of 8192) per tile in 16 warps: 56-104 spilled bytes a thread (AOT "
                             "check); kept, the fastest tile of the seventh H100 sweep at every shape (1239 -> 1133 "
                             "us at 65536 x 8192, above)",
-    "_cross_entropy_kernel": "linear_cross_entropy's float32 chunk logits with a bfloat16 gradient, 16384-wide "
-                             "chunks: 16 spilled bytes (AOT check); the block of the swept cross_entropy entry, not "
-                             "swept on its own",
     "_layer_norm_bwd_kernel": "16 warps a tile of 8192 (one row of 8192, 8 of 1024): 88-568 spilled bytes a thread "
                               "(AOT check, 344 in 16 bits); kept, the tile of the seventh H100 sweep, measured with "
                               "these spills (1787 -> 1260 us at 65536 x 8192, above)",

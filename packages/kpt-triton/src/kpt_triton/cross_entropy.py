@@ -20,12 +20,14 @@ spans instead: a first kernel writes each span's partial (m, s, Σz), the second
 row and writes the row's gradient span by span, one program each.
 
 ``linear_cross_entropy`` works through chunks of rows of z = hidden · weightᵀ (+ bias, added
-in float32 inside the kernel). Each chunk's float32 logits come from one GEMM into a reused
-buffer and the kernel writes dz into a second one; for "mean"/"sum" with gradients wanted the
-forward then runs the two gradient GEMMs on that chunk (dhidden = dz · weight, dweight +=
-dzᵀ · hidden), so the whole loss costs three GEMMs and the ``[N, V]`` logits never exist; the
-backward scales those gradients in place. For "none" the forward keeps lse and the backward
-recomputes each chunk's logits.
+in float32 inside the kernel). Each chunk's logits come from one GEMM into a reused buffer, in
+hidden's dtype as ``linear`` gives them (the float32 accumulator rounded once, as transformers'
+``lm_head`` hands them to its loss), and the kernel writes dz over them in place: 2 bytes a logit
+for 16-bit models, against 6 for float32 logits beside a 16-bit dz, so a chunk holds three times
+the rows in the same memory. For "mean"/"sum" with gradients wanted the forward then runs the two
+gradient GEMMs on that chunk (dhidden = dz · weight, dweight += dzᵀ · hidden), so the whole loss
+costs three GEMMs and the ``[N, V]`` logits never exist; the backward scales those gradients in
+place. For "none" the forward keeps lse and the backward recomputes each chunk's logits.
 """
 
 from __future__ import annotations
@@ -107,6 +109,15 @@ def _cross_entropy_row(
     cols = tl.arange(0, BLOCK_V)
     first = tl.program_id(1) == 0  # the program along the row that writes its loss and lse
 
+    if WRITE_LOSS:
+        # Read before the statistics, whose reductions are barriers of the whole program: where dz is
+        # written over z (linear_cross_entropy), no warp may overwrite z_t before every warp has read it.
+        # A target outside [0, V) that is not ignored gives NaN rather than reading out of bounds.
+        in_range = (target >= 0) & (target < V)
+        z_t = tl.load(z_row + target * stride_zv, mask=kept & in_range, other=float("nan")).to(tl.float32)
+        if HAS_BIAS:
+            z_t += tl.load(BIAS + target, mask=kept & in_range, other=0.0).to(tl.float32)
+
     z_sum = 0.0
     if LSE_FROM == _LSE_ROW:
         m, s, z_sum = lse_stats(Z, start, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V, VEC)
@@ -120,11 +131,6 @@ def _cross_entropy_row(
         tl.store(LSE + row, lse, mask=first)
 
     if WRITE_LOSS:
-        # A target outside [0, V) that is not ignored gives NaN rather than reading out of bounds.
-        in_range = (target >= 0) & (target < V)
-        z_t = tl.load(z_row + target * stride_zv, mask=kept & in_range, other=float("nan")).to(tl.float32)
-        if HAS_BIAS:
-            z_t += tl.load(BIAS + target, mask=kept & in_range, other=0.0).to(tl.float32)
         loss = (1.0 - label_smoothing) * (lse - z_t)
         if SMOOTHING:
             loss += label_smoothing * (lse - z_sum / V)
@@ -173,7 +179,10 @@ def _rows(z, target, bias, grad, loss, lse, dz, ignore_index, label_smoothing, *
     vec = row_vector(v, (z, z.stride(0), z.stride(1)), *([(dz, dz.stride(0), 1)] if grad is not None else []))
     if vec > 1:
         block_v, elems_per_warp = min(block_v, ALIGNED_CHUNK), min(elems_per_warp, 512)
-    block, span = row_split(n, v, min(next_pow2(v), block_v), z.device)
+    block = min(next_pow2(v), block_v)
+    # A row cut into spans across programs only where dz has its own buffer: written over z, one
+    # span's gradient could overwrite the target's logit before the program writing the loss reads it.
+    block, span = (block, v) if dz is z else row_split(n, v, block, z.device)
     n_parts = cdiv(v, span)
     smoothing = label_smoothing > 0
     parts = None
@@ -308,15 +317,10 @@ def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, 
 
 
 def _logits(h, weight, out):
-    """``out = h · weightᵀ`` in float32, as the contract computes logits: 16-bit logits of
-    magnitude 1e3 would be off by whole units, and exp turns that into wrong gradients."""
-    if h.dtype == torch.float32:
-        return torch.mm(h, weight.t(), out=out)
-    if h.device.type == "cuda":
-        # cuBLAS writes its float32 accumulator directly
-        return torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
-    # elsewhere (the Triton interpreter's CPU tensors) `weight` arrives already in float32
-    return torch.mm(h.to(torch.float32), weight.t(), out=out)
+    """``out = h · weightᵀ``, accumulated in float32 and rounded once to ``out``'s dtype, hidden's:
+    for 16-bit models the logits ``linear`` gives (within the contract's 16-bit tolerance against
+    float64 logits for logits of a trained model's size, up to a few hundred)."""
+    return torch.mm(h, weight.t(), out=out)
 
 
 FREE_MEMORY_SHARE = 4
@@ -324,18 +328,18 @@ FREE_MEMORY_SHARE = 4
 starts (`chunk_rows`)."""
 
 
-def chunk_rows(n: int, v: int, hidden: torch.Tensor, grad: bool, chunk_elems: int) -> int:
+def chunk_rows(n: int, v: int, hidden: torch.Tensor, chunk_elems: int) -> int:
     """How many rows of the ``[n, v]`` logits one chunk of ``linear_cross_entropy`` holds.
 
-    The chunk's buffers are its float32 logits and, with gradients of 16-bit ``hidden``, their
-    16-bit gradient: 4 or 6 bytes a logit. The tuning's ``chunk_elems // v`` rows (2^26 logits:
-    512 rows of a 128,256 vocabulary, 0.37 GiB in bfloat16) are halved, on a CUDA or ROCm device,
-    until the buffers fit in a quarter of the free memory (the driver's free memory and what torch's
-    allocator holds unused; not while a CUDA graph is captured); halving keeps the plans few, so a
-    loss's rounding changes only where memory runs short. Then at least 1 row and at most ``n``, in
-    whole multiples of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each
-    chunk reads and writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
-    per_row = v * (4 + (hidden.element_size() if grad and hidden.dtype != torch.float32 else 0))
+    The chunk's one buffer is its logits in hidden's dtype, which the gradient overwrites: 2 or 4
+    bytes a logit. The tuning's ``chunk_elems // v`` rows (2^27 logits: 1,024 rows of Llama 3's
+    128,256 vocabulary, 0.25 GiB in bfloat16) are halved, on a CUDA or ROCm device, until the buffer
+    fits in a quarter of the free memory (the driver's free memory and what torch's allocator holds
+    unused; not while a CUDA graph is captured); halving keeps the plans few, so a loss's rounding
+    changes only where memory runs short. Then at least 1 row and at most ``n``, in whole multiples
+    of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads
+    and writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
+    per_row = v * hidden.element_size()
     step = max(1, chunk_elems // max(v, 1))
     if hidden.is_cuda and per_row and not torch.cuda.is_current_stream_capturing():
         free, _ = torch.cuda.mem_get_info(hidden.device)
@@ -352,20 +356,17 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
     ``losses`` is given (else reads ``lse``), and with ``grad`` returns ``(dhidden, dweight, dbias)``."""
     n, k = hidden.shape
     v = weight.shape[0]
-    step = chunk_rows(n, v, hidden, grad is not None, chunk_elems)
-    z_buf = torch.empty(step, v, dtype=torch.float32, device=hidden.device)
-    w_logits = weight if hidden.dtype == torch.float32 or hidden.device.type == "cuda" else weight.float()
+    step = chunk_rows(n, v, hidden, chunk_elems)
+    z_buf = torch.empty(step, v, dtype=hidden.dtype, device=hidden.device)  # the gradient overwrites it
     if grad is not None:
-        # dz feeds the gradient GEMMs in hidden's dtype; float32 dz can overwrite the logits
-        dz_buf = z_buf if hidden.dtype == torch.float32 else torch.empty_like(z_buf, dtype=hidden.dtype)
         dhidden = torch.empty(n, k, dtype=hidden.dtype, device=hidden.device)
         dweight = torch.zeros(v, k, dtype=weight.dtype, device=weight.device)
         dbias = torch.zeros(v if bias is not None else 0, dtype=torch.float32, device=hidden.device)
     for start in range(0, n, step):
         r = slice(start, min(start + step, n))
         h = hidden[r]
-        z = _logits(h, w_logits, z_buf[: h.shape[0]])
-        dz = dz_buf[: h.shape[0]] if grad is not None else None
+        z = _logits(h, weight, z_buf[: h.shape[0]])
+        dz = z if grad is not None else None
         _rows(z, target[r], bias, grad[r] if grad is not None and grad.dim() else grad,
               losses[r] if losses is not None else None, lse[r], dz, ignore_index, 0.0,
               compute_lse=losses is not None, write_loss=losses is not None, block_v=block_v,
@@ -384,7 +385,7 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
 
 
 def linear_cross_entropy_fwd(
-    hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 26,
+    hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 27,
     block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk at most (the
@@ -403,7 +404,7 @@ def linear_cross_entropy_fwd(
 
 def linear_cross_entropy_bwd(
     hidden, weight, target, bias, ignore_index, reduction, needs_grad, loss, dhidden, dweight, dbias, lse,
-    dloss, *, chunk_elems: int = 1 << 26, block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
+    dloss, *, chunk_elems: int = 1 << 27, block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dhidden, dweight, dbias)``: the forward's gradients scaled in place by ``dloss`` when it
     made them, else recomputed chunk by chunk from the saved ``lse``."""

@@ -90,7 +90,9 @@ def linear_cross_entropy(
     computes the gradients during the forward pass (the backward only scales them).
     ``hidden``: ``[N, K]`` float; ``weight``: ``[V, K]``, hidden's dtype; ``bias``: ``[V]``, hidden's
     dtype or float32, or None; ``target``: ``[N]`` int64, out-of-range values as in
-    `cross_entropy`. Logits and loss in float32 (float64 for float64). Returns a scalar (``[N]``
+    `cross_entropy`. The logits ``hidden @ weight.T`` may be rounded to hidden's dtype, as
+    ``linear`` returns them (the reference keeps them in float32); the loss is computed in float32
+    (float64 for float64). Returns a scalar (``[N]``
     for "none") in float32 (float64 for float64) whatever hidden's dtype. Differentiable with
     respect to ``hidden``, ``weight`` and ``bias``.
     """
@@ -485,24 +487,38 @@ def _bad_indices_lce() -> list[BadIndices]:
     return _bad_targets(make, 100)
 
 
-def linear_cross_entropy_rounded_dz(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """linear_cross_entropy's `RoundingAllowance`: what rounding the logits' gradient
-    ``dz = g · (softmax(z) − onehot)`` to the inputs' ``dtype`` (the operand of the products
-    ``dhidden = dz · weight`` and ``dweight = dzᵀ · hidden`` in that dtype, and of dbias's sum, as
-    linear's ``dpre``) moves the gradients by, bounded as `rounded_operand` does.
+def linear_cross_entropy_rounded(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """linear_cross_entropy's `RoundingAllowance`: what two roundings to the inputs' ``dtype``, both
+    those of ``cross_entropy(linear(hidden, weight, bias), target)`` composed in that dtype, move
+    the gradients by:
+
+    * the logits ``hidden · weightᵀ`` rounded as ``linear`` returns them: each logit moves by up to
+      ``u · |z_i|`` (u the unit roundoff), the row's log-sum-exp by at most
+      ``B = log Σ_j p_j exp(u · |z_j|)`` either way, so each probability by at most
+      ``p_i · (exp(u · |z_i| + B) − 1)``; those bounds go through the products ``dz · weight`` and
+      ``dzᵀ · hidden`` and dbias's sum whole (their signs are not independent);
+    * the logits' gradient ``dz = g · (softmax(z) − onehot)`` rounded as the operand of those
+      products, as linear's ``dpre``, bounded as `rounded_operand` does.
 
     Float64 from the oracle's checked arguments (hidden, weight, target, bias, ignore_index,
     reduction) and ``{"dloss": dloss}``."""
     h, w = (finite(args[n].detach().to(torch.float64)) for n in ("hidden", "weight"))
     bias, target, ignore_index = args["bias"], args["target"].to(h.device), args["ignore_index"]
-    z = h @ w.T + (0.0 if bias is None else finite(bias.detach().to(torch.float64)))
+    product = h @ w.T
+    z = product + (0.0 if bias is None else finite(bias.detach().to(torch.float64)))
     kept = target != ignore_index
+    h_kept = torch.where(kept[:, None], h, 0.0)
     row_grad = finite(row_grads(upstream["dloss"].detach().to(h.device), target, ignore_index, args["reduction"],
                                  torch.float64))
-    dz = finite(dlogits(z, target, torch.logsumexp(z, -1), 0.0, row_grad, kept))
-    dh, dw, db = rounded_operand(dz, torch.where(kept[:, None], h, 0.0), w, dtype)
-    allowance = {"hidden": dh, "weight": dw}
-    return allowance if bias is None else {**allowance, "bias": db}
+    lse = torch.logsumexp(z, -1)
+    dz = finite(dlogits(z, target, lse, 0.0, row_grad, kept))
+    dh, dw, db = rounded_operand(dz, h_kept, w, dtype)
+    moved = torch.finfo(dtype).eps / 2 * product.abs()
+    p = torch.exp(z - lse[:, None])
+    shift = torch.logsumexp(z + moved, -1, keepdim=True) - lse[:, None]  # B, from p_j exp(u |z_j|)
+    e = finite(torch.where(kept[:, None], row_grad.abs()[:, None] * p * torch.expm1(moved + shift), 0.0))
+    allowance = {"hidden": dh + e @ w.abs(), "weight": dw + e.T @ h_kept.abs()}
+    return allowance if bias is None else {**allowance, "bias": db + e.sum(0)}
 
 
 def _row_loss(a: Args, rows: tuple[str, ...], per_row_saved: tuple[str, ...],
@@ -571,7 +587,7 @@ LINEAR_CROSS_ENTROPY = KernelSpec(
     check_indices=check_linear_cross_entropy_indices,
     bad_indices=_bad_indices_lce,
     sharding=_linear_cross_entropy_sharding,
-    rounding=linear_cross_entropy_rounded_dz,
+    rounding=linear_cross_entropy_rounded,
     peers=("liger",),
 )
 
