@@ -174,15 +174,15 @@ def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: gib)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     bf16, f32 = _GpuTensor(torch.bfloat16), _GpuTensor(torch.float32)
-    # the tuning's 2^27 logits: 1046 rows, cut to whole tiles of 128
-    assert k.chunk_rows(8192, v, bf16, 1 << 27) == 1024
-    assert k.chunk_rows(300, v, bf16, 1 << 27) == 256  # no more rows than there are
-    free["driver"] = 1 * gib  # 2 bytes a logit: 1024 rows take 0.24 GiB, fits a quarter of 1 GiB
-    assert k.chunk_rows(8192, v, bf16, 1 << 27) == 1024
-    assert k.chunk_rows(8192, v, f32, 1 << 27) == (1024 if capturing else 512)  # 4 bytes: 0.49 GiB does not
+    # the tuning's 2^28 logits: 2093 rows, cut to whole tiles of 128
+    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048
+    assert k.chunk_rows(300, v, bf16, 1 << 28) == 256  # no more rows than there are
+    free["driver"] = 1 * gib  # 2 bytes a logit: 2048 rows take 0.49 GiB, more than a quarter of 1 GiB
+    assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 1024)
+    assert k.chunk_rows(8192, v, f32, 1 << 28) == (2048 if capturing else 512)  # 4 bytes a logit
     free["cached"] = 1 * gib  # memory torch's allocator holds unused counts as free
-    assert k.chunk_rows(8192, v, f32, 1 << 27) == 1024
+    assert k.chunk_rows(8192, v, f32, 1 << 28) == (2048 if capturing else 1024)
     free["driver"], free["cached"] = 10 * 2**20, 0  # 10 MiB: a few rows, whatever it costs in time
-    assert k.chunk_rows(8192, v, bf16, 1 << 27) == (1024 if capturing else 8)
+    assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 8)
     free["driver"] = 0
-    assert k.chunk_rows(8192, v, bf16, 1 << 27) == (1024 if capturing else 1)
+    assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 1)

@@ -332,8 +332,8 @@ def chunk_rows(n: int, v: int, hidden: torch.Tensor, chunk_elems: int) -> int:
     """How many rows of the ``[n, v]`` logits one chunk of ``linear_cross_entropy`` holds.
 
     The chunk's one buffer is its logits in hidden's dtype, which the gradient overwrites: 2 or 4
-    bytes a logit. The tuning's ``chunk_elems // v`` rows (2^27 logits: 1,024 rows of Llama 3's
-    128,256 vocabulary, 0.25 GiB in bfloat16) are halved, on a CUDA or ROCm device, until the buffer
+    bytes a logit. The tuning's ``chunk_elems // v`` rows (2^28 logits: 2,048 rows of Llama 3's
+    128,256 vocabulary, 0.49 GiB in bfloat16) are halved, on a CUDA or ROCm device, until the buffer
     fits in a quarter of the free memory (the driver's free memory and what torch's allocator holds
     unused; not while a CUDA graph is captured); halving keeps the plans few, so a loss's rounding
     changes only where memory runs short. Then at least 1 row and at most ``n``, in whole multiples
@@ -385,7 +385,7 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
 
 
 def linear_cross_entropy_fwd(
-    hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 27,
+    hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 28,
     block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk at most (the
@@ -404,7 +404,7 @@ def linear_cross_entropy_fwd(
 
 def linear_cross_entropy_bwd(
     hidden, weight, target, bias, ignore_index, reduction, needs_grad, loss, dhidden, dweight, dbias, lse,
-    dloss, *, chunk_elems: int = 1 << 27, block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
+    dloss, *, chunk_elems: int = 1 << 28, block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dhidden, dweight, dbias)``: the forward's gradients scaled in place by ``dloss`` when it
     made them, else recomputed chunk by chunk from the saved ``lse``."""

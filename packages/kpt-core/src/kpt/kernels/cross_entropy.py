@@ -52,7 +52,7 @@ from ..spec import (
     strided,
     transposed,
 )
-from .linear import rounded_operand
+from .linear import rounding_sums, summed
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -501,24 +501,36 @@ def linear_cross_entropy_rounded(args: Args, upstream: Args, dtype: torch.dtype)
       products, as linear's ``dpre``, bounded as `rounded_operand` does.
 
     Float64 from the oracle's checked arguments (hidden, weight, target, bias, ignore_index,
-    reduction) and ``{"dloss": dloss}``."""
+    reduction) and ``{"dloss": dloss}``; ``CHUNK_ELEMENTS`` logits at a time, as the reference."""
     h, w = (finite(args[n].detach().to(torch.float64)) for n in ("hidden", "weight"))
     bias, target, ignore_index = args["bias"], args["target"].to(h.device), args["ignore_index"]
-    product = h @ w.T
-    z = product + (0.0 if bias is None else finite(bias.detach().to(torch.float64)))
     kept = target != ignore_index
     h_kept = torch.where(kept[:, None], h, 0.0)
     row_grad = finite(row_grads(upstream["dloss"].detach().to(h.device), target, ignore_index, args["reduction"],
                                  torch.float64))
-    lse = torch.logsumexp(z, -1)
-    dz = finite(dlogits(z, target, lse, 0.0, row_grad, kept))
-    dh, dw, db = rounded_operand(dz, h_kept, w, dtype)
-    moved = torch.finfo(dtype).eps / 2 * product.abs()
-    p = torch.exp(z - lse[:, None])
-    shift = torch.logsumexp(z + moved, -1, keepdim=True) - lse[:, None]  # B, from p_j exp(u |z_j|)
-    e = finite(torch.where(kept[:, None], row_grad.abs()[:, None] * p * torch.expm1(moved + shift), 0.0))
-    allowance = {"hidden": dh + e @ w.abs(), "weight": dw + e.T @ h_kept.abs()}
-    return allowance if bias is None else {**allowance, "bias": db + e.sum(0)}
+    u = torch.finfo(dtype).eps / 2
+    dh = torch.empty_like(h)
+    dw_parts = [torch.zeros_like(w) for _ in range(3)]  # bounds and squares of dz's rounding, the logits'
+    db_parts = [torch.zeros(w.shape[0], dtype=torch.float64, device=h.device) for _ in range(3)]
+    step = max(1, CHUNK_ELEMENTS // max(w.shape[0], 1))
+    for start in range(0, h.shape[0], step):
+        r = slice(start, start + step)
+        product = h[r] @ w.T
+        z = product if bias is None else product + finite(bias.detach().to(torch.float64))
+        lse = torch.logsumexp(z, -1, keepdim=True)
+        dz = finite(dlogits(z, target[r], lse[:, 0], 0.0, row_grad[r], kept[r]))
+        (dh_bound, dh_squares), dw_sums, db_sums = rounding_sums(dz, h_kept[r], w, dtype)
+        moved = u * product.abs()
+        shift = torch.logsumexp(z + moved, -1, keepdim=True) - lse  # B, from p_j exp(u |z_j|)
+        e = (z - lse).exp_().mul_(torch.expm1(moved.add_(shift))).mul_(row_grad[r].abs()[:, None])
+        e = finite(torch.where(kept[r][:, None], e, 0.0))
+        dh[r] = summed(dh_bound, dh_squares) + e @ w.abs()
+        for total, part in zip(dw_parts, (*dw_sums, e.T @ h_kept[r].abs())):
+            total += part
+        for total, part in zip(db_parts, (*db_sums, e.sum(0))):
+            total += part
+    allowance = {"hidden": dh, "weight": summed(*dw_parts[:2]) + dw_parts[2]}
+    return allowance if bias is None else {**allowance, "bias": summed(*db_parts[:2]) + db_parts[2]}
 
 
 def _row_loss(a: Args, rows: tuple[str, ...], per_row_saved: tuple[str, ...],

@@ -196,6 +196,21 @@ def _bad_inputs() -> list[BadInput]:
     ]
 
 
+def rounding_sums(d: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """`rounded_operand`'s three sums before `summed` takes them: ``(bounds, squares)`` for
+    ``d · w``, ``dᵀ · x`` and the column sums, which a caller working through rows of ``d`` adds up
+    chunk by chunk (the last two)."""
+    e = torch.finfo(dtype).eps / 2 * d.abs()
+    e2 = e.square()
+    return (e @ w.abs(), e2 @ w.square()), (e.T @ x.abs(), e2.T @ x.square()), (e.sum(0), e2.sum(0))
+
+
+def summed(bounds: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+    """A sum of roundings (`rounding_sums`): the sum of their bounds, or three deviations if that is less."""
+    return torch.minimum(bounds, math.sqrt(3) * squares.sqrt())
+
+
 def rounded_operand(d: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What rounding ``d`` ``[M, N]`` to ``dtype`` before the products ``d · w`` (``w``: ``[N, K]``)
@@ -206,14 +221,8 @@ def rounded_operand(d: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: to
     their bounds and, their signs independent, by three standard deviations of the sum at most
     ``√3 · u · ‖terms‖₂``: the smaller of the two. Far beyond a bound relative to the result where
     its terms nearly cancel (the column sum of a few rows), a small part of it elsewhere."""
-    e = torch.finfo(dtype).eps / 2 * d.abs()
-
-    def summed(bounds: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
-        # a sum of roundings: the sum of their bounds, or three deviations if that is less
-        return torch.minimum(bounds, math.sqrt(3) * squares.sqrt())
-
-    return (summed(e @ w.abs(), e.square() @ w.square()), summed(e.T @ x.abs(), e.square().T @ x.square()),
-            summed(e.sum(0), e.square().sum(0)))
+    dx, dw, db = rounding_sums(d, x, w, dtype)
+    return summed(*dx), summed(*dw), summed(*db)
 
 
 def linear_rounded_dpre(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
