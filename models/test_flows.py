@@ -317,13 +317,14 @@ def test_a_compiled_model_gives_its_attention_no_mask_for_an_unpadded_batch(monk
     """transformers (5.17 always, newer releases under torch < 2.14) builds the whole causal mask
     while compiling; a patched model runs under kpt's mask function (`kpt.patch.IMPLEMENTATION`),
     which gives none, so the kernel's unmasked causal path runs. A padded batch still brings its
-    mask, and both agree with transformers."""
+    mask, as the key padding alone (``[B, 1, 1, S]`` under the causal mask, not the whole
+    ``[B, 1, S, S]``), and both agree with transformers."""
     patch_module = sys.modules["kpt.patch"]
     given, kernel_mask = [], patch_module._kernel_mask
 
     def spy(*args: object) -> object:
         causal, mask, k, v = kernel_mask(*args)
-        given.append(mask is not None)
+        given.append(None if mask is None else (causal, mask.shape[2]))
         return causal, mask, k, v
 
     monkeypatch.setattr(patch_module, "_kernel_mask", spy)
@@ -338,7 +339,7 @@ def test_a_compiled_model_gives_its_attention_no_mask_for_an_unpadded_batch(monk
     assert given and not any(given), "an unpadded batch's attention was given a mask"
     given.clear()
     agree(hf, compiled, mask.bool(), input_ids=tokens, attention_mask=mask, labels=labels)
-    assert given and all(given), "a padded batch's attention was given no mask"
+    assert given and all(g == (True, 1) for g in given), f"a padded batch's attention was given {given}"
     kpt.unpatch(patched)
     assert patched.config._attn_implementation == "sdpa"
 

@@ -117,6 +117,29 @@ def test_rotary_only_patch_agrees_and_takes_padding(family: str) -> None:
         close(patched(tokens, attention_mask=mask).logits, hf(tokens, attention_mask=mask).logits, "padded logits")
 
 
+def test_a_layer_left_on_transformers_attention_takes_kpts_padding_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patched model runs under kpt's mask function, which gives a padded batch as its ``[B, S]``
+    key padding (`kpt.patch._key_padding`); a layer whose attention stays transformers' (here the
+    first, by a reason made up for the test) gets it back as the whole ``[B, 1, S, S]`` mask."""
+    patch_module = sys.modules["kpt.patch"]
+    unsupported = patch_module._attention_unsupported
+    monkeypatch.setattr(patch_module, "_attention_unsupported",
+                        lambda module, config, attention: "left for the test" if module.layer_idx == 0
+                        else unsupported(module, config, attention))
+    hf = tiny("llama")
+    patched = copy.deepcopy(hf)
+    summary = kpt.patch(patched)
+    assert any("rotary on kpt" in kind for kind in summary.swapped), summary.table()
+    assert any("rotary + attention" in kind for kind in summary.swapped), summary.table()
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 7))
+    for side in (slice(0, 3), slice(4, 7)):
+        mask = torch.ones_like(tokens)
+        mask[0, side] = 0
+        with torch.no_grad():
+            close(patched(tokens, attention_mask=mask).logits[mask.bool()],
+                  hf(tokens, attention_mask=mask).logits[mask.bool()], "padded logits")
+
+
 def agrees(hf: torch.nn.Module, patched: torch.nn.Module, backend: str) -> None:
     """`step` on both (the patched model on ``backend``): everything agrees within float32's tolerance."""
     tokens = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))

@@ -6,7 +6,9 @@ causal call of both, forward and forward + backward, bf16:
 
 Masks: the whole causal mask transformers builds under ``torch.compile`` for a batch with an
 attention mask (``mask_causal``: nothing is hidden beyond causality), and left padding of half the
-rows by an eighth of the length (``mask_pad``: those padding queries see no key). Times are medians
+rows by an eighth of the length as a whole mask (``mask_pad``: those padding queries see no key)
+and as the ``[B, 1, 1, S]`` key padding under the causal flag that kpt.patch gives a padded batch
+(``keypad``: a bias broadcast over the queries). Times are medians
 of ``triton.testing.do_bench``; TFLOP/s count a causal call's FLOPs (backward 2.5 times the
 forward's). Also printed: the largest difference between cuDNN with kpt's causal flag and bias and
 cuDNN with the bias alone, and whether any output is NaN.
@@ -53,10 +55,13 @@ def one_shape(be: kpt.Backend, b: int, hq: int, hkv: int, s: int, d: int) -> dic
     pad = causal.clone()
     pad[: b // 2, :, :, : s // 8] = False  # left padding: those keys hidden,
     pad[: b // 2, :, : s // 8, :] = False  # and the padding queries see no key
+    keys = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
+    keys[: b // 2, ..., : s // 8] = False  # the same padding as kpt.patch gives it: the keys only
     row: dict[str, object] = {
         "kpt_nomask": timed(lambda: be.attention(q, k, v, causal=True), grads),
         "kpt_mask_causal": timed(lambda: be.attention(q, k, v, causal=True, mask=causal), grads),
-        "kpt_mask_pad": timed(lambda: be.attention(q, k, v, causal=True, mask=pad), grads)}
+        "kpt_mask_pad": timed(lambda: be.attention(q, k, v, causal=True, mask=pad), grads),
+        "kpt_keypad": timed(lambda: be.attention(q, k, v, causal=True, mask=keys), grads)}
     library = routes._library
     routes._library = lambda *a, **kw: None  # every call (all masked here) on the portable kernels
     try:

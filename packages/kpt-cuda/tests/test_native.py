@@ -191,8 +191,27 @@ def test_a_mask_becomes_an_additive_bias_made_once_per_batch_entry():
     assert bias.shape == mask.shape and bias.dtype == torch.bfloat16 and bias.stride(1) == 0
     assert torch.equal(bias == 0, mask) and bool(bias[~mask].eq(float("-inf")).all())
     padding = (torch.rand(3, 1, 1, 8) < 0.5).expand(3, 4, 5, 8)
-    assert torch.equal(attention._compact(padding), padding[:, :1])
-    assert torch.equal(attention._mask_bias(padding, torch.float16) == 0, padding)
+    assert torch.equal(attention._compact(padding), padding[:, :1, :1])  # keys only: one row per batch entry
+    bias = attention._mask_bias(padding, torch.float16)
+    assert torch.equal(bias == 0, padding) and bias.stride(1) == bias.stride(2) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq", [5, 8])
+def test_a_query_sees_a_key_where_its_mask_and_the_causal_one_both_let_it(causal, sq):
+    """`_sees` (which queries cuDNN's NaN becomes zeros at) against the mask and the bottom-right
+    causal one applied in full: a key-padding mask (stride 0 over the queries) whose first keys are
+    hidden leaves the first queries of a causal layer nothing to see, not every query something."""
+    from kpt.kernels.attention import visible_keys
+
+    keys = torch.ones(3, 1, 1, 8, dtype=torch.bool)
+    keys[0, ..., :4] = False  # left padding
+    keys[1, ..., 6:] = False  # right padding
+    keys[2] = False  # nothing to see
+    whole = torch.rand(3, 1, sq, 8) < 0.3
+    for mask in (keys.expand(3, 4, sq, 8), whole.expand(3, 4, sq, 8)):
+        full = mask & visible_keys(sq, 8, causal)
+        assert torch.equal(attention._sees(mask, causal).expand(3, 4, sq), full.any(-1))
 
 
 def test_fused_kernels_get_aligned_views():
@@ -285,17 +304,20 @@ def test_cudnn_with_the_cached_causal_mask_matches_the_reference_on_hopper():
 
 
 @pytest.mark.skipif(not attention.available(), reason="needs a Hopper GPU (cuDNN)")
-@pytest.mark.parametrize("form", ["padding", "documents", "causal_whole"])
+@pytest.mark.parametrize("form", ["padding", "key-padding", "documents", "causal_whole"])
 def test_cudnn_with_a_mask_matches_the_reference_on_hopper(form):
     """Masked calls of equal lengths on cuDNN ("cudnn-bias"): output and gradients against the float64
     reference, left-padded rows whose padding queries see no key among them (zeros, no gradient, no
-    NaN), packed documents, and the whole causal mask transformers builds under torch.compile."""
+    NaN), as a whole mask and as key padding under the causal mask (a bias broadcast over the
+    queries), packed documents, and the whole causal mask transformers builds under torch.compile."""
     g = torch.Generator().manual_seed(7)
     b, hq, hkv, s, d = 3, 8, 2, 264, 64
     if form == "padding":  # left padding: row i's first 40 * i keys hidden, and its queries there see none
         keys = torch.arange(s)[None, :] >= 40 * torch.arange(b)[:, None]
         mask = keys[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
         mask = mask & keys[:, None, :, None]
+    elif form == "key-padding":  # the same left padding as kpt.patch gives it: the keys only, under the causal mask
+        mask = (torch.arange(s)[None, :] >= 40 * torch.arange(b)[:, None])[:, None, None, :]
     elif form == "documents":
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate((100, 64, 100))])
         mask = (doc[:, None] == doc[None, :]).tril().expand(b, 1, s, s)
@@ -315,7 +337,7 @@ def test_cudnn_with_a_mask_matches_the_reference_on_hopper(form):
     for got, want in zip((o, *grads), (expected, *torch.autograd.grad(expected, exact, do.double()))):
         assert not got.isnan().any()
         torch.testing.assert_close(got.cpu().double(), want.detach(), rtol=2e-2, atol=5e-2)
-    if form == "padding":
+    if form in ("padding", "key-padding"):
         assert bool((o[2, :, :80] == 0).all()) and bool((grads[0][2, :, :80] == 0).all())
 
 

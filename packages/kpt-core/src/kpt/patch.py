@@ -314,7 +314,11 @@ masks (`_mask`), registered with its ``AttentionInterface`` and ``AttentionMaskI
 
 def _mask(**named: Any) -> Tensor | None:
     """transformers' ``sdpa_mask`` (the masks an ``sdpa`` attention gets), except that a plain causal
-    mask is ``None`` under ``torch.compile`` too. transformers builds no mask when no key is padded,
+    mask is ``None`` under ``torch.compile`` too, and a plain causal mask with key padding (the
+    ``Trainer``'s and its collators' ``attention_mask``, and a padded prefill) is that ``[B, S]``
+    padding mask itself, as transformers gives ``flash_attention_*``: kpt's attention applies it under
+    its causal mask (`_kernel_mask`), where the whole ``[B, 1, S, S]`` mask costs a kernel a bias read
+    at every query (`_key_padding`). transformers builds no mask when no key is padded,
     there is no window to apply and the queries are all the keys or one; below torch 2.14 it cannot
     tell while compiling (``torch.compiler.is_exporting()`` is a constant ``True`` there) and builds
     the whole causal mask, which a kernel must then read. The same test needs no value here: no
@@ -329,7 +333,23 @@ def _mask(**named: Any) -> Tensor | None:
             and not isinstance(named.get("q_offset", 0), Tensor) and (window is None or kv_length < window)
             and (q_length == 1 or q_length == kv_length)):
         return None
-    return sdpa_mask(**named)
+    padding = _key_padding(named)
+    return padding if padding is not None else sdpa_mask(**named)
+
+
+def _key_padding(named: dict[str, Any]) -> Tensor | None:
+    """The ``[B, S]`` boolean padding mask where transformers asks for the plain causal mask over a
+    2-D ``attention_mask`` with the queries all the keys (no cache before them, no window the keys
+    reach): the whole mask is then exactly that key padding under the causal mask. Else ``None``."""
+    from transformers.masking_utils import causal_mask_function
+
+    given, length, window = named.get("attention_mask"), named.get("kv_length"), named.get("local_size")
+    offsets = (named.get("q_offset", 0), named.get("kv_offset", 0))
+    if (named.get("mask_function") is causal_mask_function and isinstance(given, Tensor) and given.dim() == 2
+            and named.get("q_length") == length == given.shape[1] and all(type(o) is int and o == 0 for o in offsets)
+            and (window is None or length < window)):
+        return given.bool()
+    return None
 
 
 def _implementation(model: Any) -> Callable[[], Callable[[], None]]:
@@ -386,13 +406,16 @@ def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
     per mask and raises `kpt.KernelNotSupportedError`. A compiled graph reads no value on the host
     without a break, so there each condition is a ``torch._assert_async``: the run fails with the
     same message as a ``RuntimeError`` (on a GPU, a device-side assert, which ends the process's
-    CUDA context). Any other mask raises `kpt.KernelNotSupportedError`."""
+    CUDA context). kpt's own ``[B, S]`` key padding (`_mask`) goes to the kernel as ``[B, 1, 1, S]``
+    under the causal mask. Any other mask raises `kpt.KernelNotSupportedError`."""
     causal = bool(getattr(self, "is_causal", True))
     sq, skv = q.shape[2], k.shape[2]
     if attention_mask is None:
         if causal and 1 < sq < skv:
             k, v = k[:, :, :sq], v[:, :, :sq]
         return causal, None, k, v
+    if _is_key_padding(self, attention_mask, sq, skv):
+        return True, attention_mask[:, None, None, :], k, v  # kpt's own (`_key_padding`): under the causal mask
     if (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4
             or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point())):
         kind = (f"a {attention_mask.dim()}-D {attention_mask.dtype} tensor" if isinstance(attention_mask, Tensor)
@@ -415,6 +438,13 @@ def _kernel_mask(self: Any, attention_mask: Any, q: Tensor, k: Tensor, v: Tensor
     if not compiling:
         _MASK_READ.put((attention_mask,), (), True)
     return causal, mask, k, v
+
+
+def _is_key_padding(self: Any, attention_mask: Any, sq: int, skv: int) -> bool:
+    """Whether a causal layer of ``sq`` queries and as many keys was given `_key_padding`'s mask:
+    transformers hands an ``sdpa``-style attention no other 2-D mask."""
+    return (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 and attention_mask.dtype == torch.bool
+            and bool(getattr(self, "is_causal", True)) and sq == skv == attention_mask.shape[1])
 
 
 def _mask_conditions(layer: int, given: Tensor, mask: Tensor, causal: bool, sq: int, skv: int
@@ -455,6 +485,9 @@ def _rotary_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     q, k, v, shape = _rotated(self, hidden_states, position_embeddings, kwargs)
+    if attention_mask is not None and _is_key_padding(self, attention_mask, q.shape[2], k.shape[2]):
+        # `_mask`'s key padding, as the [B, 1, S, S] mask transformers' sdpa attention takes
+        attention_mask = attention_mask[:, None, None, :] & visible_keys(q.shape[2], k.shape[2], True, q.device)
     eager = sys.modules[type(self).__module__].eager_attention_forward  # what the module itself falls back to
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
     # a layer's own window (Qwen2, Gemma 3: None on full-attention layers), else the model's (Mistral)

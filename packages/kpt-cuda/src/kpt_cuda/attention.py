@@ -67,6 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kpt.kernels.attention import visible_keys
 from kpt_triton import attention as portable
 from kpt_triton.tiling import next_pow2
 
@@ -239,11 +240,25 @@ def _cached_band(sq: int, width: int, dtype: torch.dtype, dev: torch.device) -> 
 
 def _compact(mask: torch.Tensor) -> torch.Tensor:
     """A boolean ``mask`` [B, H, Sq, Skv] as the contract hands it (expanded: stride 0 where it
-    broadcasts) without its repeats over the batch and the heads."""
-    for dim in (0, 1):
+    broadcasts) without its repeats over the batch, the heads and the queries (a key-padding mask)."""
+    for dim in (0, 1, 2):
         if mask.stride(dim) == 0:
             mask = mask.narrow(dim, 0, 1)
     return mask
+
+
+def _sees(mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Whether each query of a ``mask`` [B, H, Sq, Skv] (with the bottom-right causal mask, if
+    ``causal``) sees a key, broadcastable to [B, H, Sq]: a query of a key-padding mask under the causal
+    one sees a key iff one at or before its diagonal is seen."""
+    compact = _compact(mask)
+    sq, skv = mask.shape[2:]
+    if not causal:
+        return compact.any(-1)
+    if compact.shape[2] == 1:
+        seen_before = compact[:, :, 0].cumsum(-1, dtype=torch.int32) > 0  # [B | 1, H | 1, Skv]
+        return seen_before[..., skv - sq:]
+    return (compact & visible_keys(sq, skv, True, mask.device)).any(-1)
 
 
 def _mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -554,7 +569,7 @@ def attention_fwd(q, k, v, causal, scale, mask, *, decode: portable.Decode = por
         o, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, _mask_bias(mask, q.dtype), True, 0.0, causal,
                                                            False, scale=scale)[:2]
         o, lse = o.contiguous(), lse.reshape(q.shape[:3]).contiguous()
-        sees = _compact(mask).any(-1)
+        sees = _sees(mask, causal)
         # a query that sees no key: cuDNN's NaN becomes the contract's zeros and -inf
         return o.masked_fill_(~sees.unsqueeze(-1), 0.0), lse.masked_fill_(~sees, float("-inf"))
     if library == "cudnn":
