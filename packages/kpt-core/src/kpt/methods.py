@@ -197,7 +197,9 @@ class KernelMethods(abc.ABC):
         computes the gradients during the forward pass (the backward only scales them).
         ``hidden``: ``[N, K]`` float; ``weight``: ``[V, K]``, hidden's dtype; ``bias``: ``[V]``, hidden's
         dtype or float32, or None; ``target``: ``[N]`` int64, out-of-range values as in
-        `cross_entropy`. Logits and loss in float32 (float64 for float64). Returns a scalar (``[N]``
+        `cross_entropy`. The logits ``hidden @ weight.T`` may be rounded to hidden's dtype, as
+        ``linear`` returns them (the reference keeps them in float32); the loss is computed in float32
+        (float64 for float64). Returns a scalar (``[N]``
         for "none") in float32 (float64 for float64) whatever hidden's dtype. Differentiable with
         respect to ``hidden``, ``weight`` and ``bias``.
         """
