@@ -35,8 +35,10 @@ for it (`WarpSpecialized`), it runs that:
 
 * A call with a ``mask`` (padding, packed documents, and the whole causal mask transformers builds
   under ``torch.compile``) at equal lengths, forward and backward: cuDNN with the mask as an
-  additive bias of 0 and -inf ("cudnn-bias", `_mask_bias`), the causal flag kept so that cuDNN skips
-  the blocks above the diagonal. A query the mask hides every key from gets the contract's result
+  additive bias of 0 and -inf ("cudnn-bias", `_mask_bias`; a key-padding mask, as `kpt.patch` gives
+  a padded batch, is one row of bias per batch entry broadcast over the queries), the causal flag
+  kept so that cuDNN skips the blocks above the diagonal. A query the mask and the causal one hide
+  every key from gets the contract's result
   after it: output 0 and lse -inf (cuDNN gives NaN there), and in the backward lse 0, so that each of
   its probabilities is exp(-inf) = 0 and it passes no gradient. Other masked calls (different
   lengths, a key length that is not a multiple of 8, head dims over `CUDNN_MAX_BACKWARD_HEAD_DIM` in

@@ -316,13 +316,6 @@ def cross_entropy_bwd(logits, target, ignore_index, label_smoothing, reduction, 
     return (scale_rows_(dlogits, dloss),)
 
 
-def _logits(h, weight, out):
-    """``out = h · weightᵀ``, accumulated in float32 and rounded once to ``out``'s dtype, hidden's:
-    for 16-bit models the logits ``linear`` gives (within the contract's 16-bit tolerance against
-    float64 logits for logits of a trained model's size, up to a few hundred)."""
-    return torch.mm(h, weight.t(), out=out)
-
-
 FREE_MEMORY_SHARE = 4
 """A chunk's buffers take at most 1 / ``FREE_MEMORY_SHARE`` of the device memory free when the loss
 starts (`chunk_rows`)."""
@@ -365,7 +358,8 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
     for start in range(0, n, step):
         r = slice(start, min(start + step, n))
         h = hidden[r]
-        z = _logits(h, weight, z_buf[: h.shape[0]])
+        # the logits as linear gives them: accumulated in float32, rounded once to hidden's dtype
+        z = torch.mm(h, weight.t(), out=z_buf[: h.shape[0]])
         dz = z if grad is not None else None
         _rows(z, target[r], bias, grad[r] if grad is not None and grad.dim() else grad,
               losses[r] if losses is not None else None, lse[r], dz, ignore_index, 0.0,

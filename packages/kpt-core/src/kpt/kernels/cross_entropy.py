@@ -510,8 +510,8 @@ def linear_cross_entropy_rounded(args: Args, upstream: Args, dtype: torch.dtype)
                                  torch.float64))
     u = torch.finfo(dtype).eps / 2
     dh = torch.empty_like(h)
-    dw_parts = [torch.zeros_like(w) for _ in range(3)]  # bounds and squares of dz's rounding, the logits'
-    db_parts = [torch.zeros(w.shape[0], dtype=torch.float64, device=h.device) for _ in range(3)]
+    # summed over the chunks, for dweight then dbias: dz's rounding (bounds, squares), the logits'
+    sums = [h.new_zeros(w.shape if i < 3 else w.shape[:1]) for i in range(6)]
     step = max(1, CHUNK_ELEMENTS // max(w.shape[0], 1))
     for start in range(0, h.shape[0], step):
         r = slice(start, start + step)
@@ -525,12 +525,11 @@ def linear_cross_entropy_rounded(args: Args, upstream: Args, dtype: torch.dtype)
         e = (z - lse).exp_().mul_(torch.expm1(moved.add_(shift))).mul_(row_grad[r].abs()[:, None])
         e = finite(torch.where(kept[r][:, None], e, 0.0))
         dh[r] = summed(dh_bound, dh_squares) + e @ w.abs()
-        for total, part in zip(dw_parts, (*dw_sums, e.T @ h_kept[r].abs())):
+        for total, part in zip(sums, (*dw_sums, e.T @ h_kept[r].abs(), *db_sums, e.sum(0))):
             total += part
-        for total, part in zip(db_parts, (*db_sums, e.sum(0))):
-            total += part
-    allowance = {"hidden": dh, "weight": summed(*dw_parts[:2]) + dw_parts[2]}
-    return allowance if bias is None else {**allowance, "bias": summed(*db_parts[:2]) + db_parts[2]}
+    dw_bounds, dw_squares, dw_logits, db_bounds, db_squares, db_logits = sums
+    allowance = {"hidden": dh, "weight": summed(dw_bounds, dw_squares) + dw_logits}
+    return allowance if bias is None else {**allowance, "bias": summed(db_bounds, db_squares) + db_logits}
 
 
 def _row_loss(a: Args, rows: tuple[str, ...], per_row_saved: tuple[str, ...],
