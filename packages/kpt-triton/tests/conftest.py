@@ -6,6 +6,7 @@ set before ``triton`` is first imported, hence here.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kpt  # noqa: E402
-from kpt.testing import to_device  # noqa: E402
+from kpt.testing import oracle_backend, to_device  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -35,8 +36,11 @@ def to64(v: Any) -> Any:
     return v.detach().cpu() if isinstance(v, torch.Tensor) else v
 
 
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    """The criterion of ``kpt.tolerance`` with the default tolerance of ``dtype``."""
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str,
+                 allowance: torch.Tensor | None = None) -> None:
+    """The criterion of ``kpt.tolerance`` with the default tolerance of ``dtype``; differences up to
+    ``allowance`` (per element: a rounding the contract permits, `kpt.KernelSpec.rounding`) are not
+    counted, as in the conformance suite's comparison."""
     tol = kpt.default_tolerance(dtype)
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert out.is_contiguous(), f"{what}: output is not contiguous"
@@ -55,7 +59,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
         return
     scale = r.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
     err = (o - r).abs()
-    rel_norm = (o - r).norm() / r.norm().clamp_min(torch.finfo(torch.float64).tiny)
+    if allowance is not None:
+        err = (err - allowance.to(torch.float64)[finite].nan_to_num(posinf=0.0)).clamp_min(0.0)
+    rel_norm = err.norm() / r.norm().clamp_min(torch.finfo(torch.float64).tiny)
     assert rel_norm <= tol.rel_norm, f"{what}: relative norm error {rel_norm:.3g} > {tol.rel_norm}"
     bad = err > tol.atol * scale + tol.rtol * r.abs()
     assert not bad.any(), f"{what}: {int(bad.sum())} elements out of tolerance, max error {err.max():.3g}"
@@ -69,7 +75,8 @@ def check_kernel(name: str, fwd: Callable[..., Any], bwd: Callable[..., Any] | N
                  dtype: torch.dtype, *, compare_saved: Sequence[str] = (), seed: int = 0) -> None:
     """Run ``fwd`` (and ``bwd`` with random output gradients) on ``args`` on the test device and
     compare public outputs, the named saved tensors and every gradient with the float64
-    reference; dtypes and shapes must be those of the reference run on the real dtypes.
+    reference; dtypes and shapes must be those of the reference run on the real dtypes. A
+    gradient may also carry the rounding the contract permits (`kpt.KernelSpec.rounding`).
 
     Unlike ``kpt.testing`` this drives the launchers directly (no backend, no autograd), so each
     kernel body is checked on its own."""
@@ -97,9 +104,23 @@ def check_kernel(name: str, fwd: Callable[..., Any], bwd: Callable[..., Any] | N
     assert len(got) == len(want), f"{name}: backward returned {len(got)} tensors, the spec {len(want)}"
     if spec.grads is not None:
         got, want, want_meta = spec.grads(got), spec.grads(want), spec.grads(want_meta)
+    allowances = _allowances(spec, args, ref_args, grads, dtype)
     for n, a, b, m in zip(spec.differentiable, got, want, want_meta, strict=True):
         assert a.dtype == m.dtype, f"{name}: grad of {n} has dtype {a.dtype}, expected {m.dtype}"
-        assert_close(a, b, dtype, f"{name}: grad of {n}")
+        assert_close(a, b, dtype, f"{name}: grad of {n}", allowances.get(n))
+
+
+def _allowances(spec: kpt.KernelSpec, args: dict[str, Any], ref_args: list[Any], grads: list[torch.Tensor],
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The spec's rounding allowance per gradient (none where it has no `rounding`), from the float64
+    arguments of its public signature and the upstream gradients, as the conformance suite computes it."""
+    if spec.rounding is None:
+        return {}
+    public = inspect.signature(spec.signature).parameters
+    named = {n: v for n, v in zip(args, ref_args) if n in public}
+    checked = spec.check((), named, oracle_backend().dtypes)
+    upstream = {f"d{n}": to64(g) for n, g in zip(spec.outputs, grads)}
+    return spec.rounding(checked, upstream, dtype)
 
 
 def assert_nan_rows_stay(fwd: Callable[..., Any], bwd: Callable[..., Any], dtype: torch.dtype,
