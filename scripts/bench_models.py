@@ -12,19 +12,25 @@ static cache.
 Each run is its own process (its compile caches and peak memory are its own); the runs of one
 command go one after another, architectures outer, modes inner. Models are random-initialised,
 in bfloat16, on synthetic token ids (scripts/train_llama.py's corpus); AdamW. tokens/s counts the
-steps after the first ``--warmup`` (compilation included there). ``train`` gives the models
-``input_ids`` and ``labels`` (``--inputs full``), or also an attention mask of ones with
-``use_cache=False`` (``--inputs trainer``: what the ``Trainer`` and its collators give; under
-``torch.compile`` transformers then builds a whole ``[B, 1, S, S]`` mask for ``sdpa`` and for
-kpt, since a traced graph cannot tell that it masks nothing). Packed batches run with
-``use_cache=False`` too: with a cache transformers' ``sdpa`` masks do not separate the documents.
-Generation is greedy; its bandwidth limit is the bytes of the weights plus the KV cache read per step over the copy
-bandwidth measured in the same process.
+steps after the first ``--warmup`` (compilation included there); each step's time is kept, and the
+table gives their spread (a run slowed by a recompile or a clock drop shows there). ``--rounds N``
+runs every architecture and mode N times, round after round (the modes interleaved), and the table
+gives the median run with the range.
+
+``train`` gives the models ``input_ids`` and ``labels`` (``--inputs full``), or also an attention
+mask of ones with ``use_cache=False`` (``--inputs trainer``: what the ``Trainer`` and its collators
+give; under ``torch.compile`` transformers then builds a whole ``[B, 1, S, S]`` mask for ``sdpa``,
+since a traced graph cannot tell that it masks nothing, and `kpt.patch` gives its attention the
+``[B, S]`` key padding). Packed batches run with ``use_cache=False`` too: with a cache
+transformers' ``sdpa`` masks do not separate the documents. Generation is greedy; its bandwidth
+limit is the bytes of the weights plus the KV cache read per step over the copy bandwidth measured
+in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -81,10 +87,10 @@ def versions() -> dict[str, str]:
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__, "kpt": kpt.__version__,
            "device": torch.cuda.get_device_name(), "cuda": str(torch.version.cuda)}
-    for name in ("triton", "liger_kernel"):
+    for name in ("triton", "liger-kernel"):
         try:
-            out[name] = __import__(name).__version__
-        except (ImportError, AttributeError):
+            out[name.replace("-", "_")] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             pass
     return out
 
@@ -142,7 +148,7 @@ def one_train(arch: str, mode: str, kind: str, steps: int, warmup: int, batch: i
     timed = slice(warmup, None)
     return {"arch": arch, "mode": mode, "kind": kind, "steps": steps, "warmup": warmup, "batch": batch, "seq": seq,
             "loss_dtype": str(loss.dtype), "loss": losses,
-            "tokens_per_s": sum(real[timed]) / sum(times[timed]),
+            "tokens_per_s": sum(real[timed]) / sum(times[timed]), "step_seconds": [round(t, 6) for t in times],
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "versions": versions()}
 
 
@@ -194,19 +200,41 @@ def launch(out: Path, name: str, *args: str) -> None:
         path.write_text(json.dumps({"name": name, "failed": done.returncode, "args": args}))
 
 
+def spread(run: dict[str, Any]) -> str:
+    """The 10th, 50th and 90th percentiles of a training run's timed steps in ms (a run without
+    its step times, recorded before they were kept: empty)."""
+    steps = sorted(run.get("step_seconds", [])[run["warmup"]:])
+    if not steps:
+        return ""
+    return " / ".join(f"{steps[min(len(steps) - 1, int(q * len(steps)))] * 1e3:.1f}" for q in (0.1, 0.5, 0.9))
+
+
+def median_run(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median tokens/s among runs of one architecture and mode (the lower middle one of
+    an even count)."""
+    return sorted(group, key=lambda r: r["tokens_per_s"])[(len(group) - 1) // 2]
+
+
 def table(folder: Path) -> str:
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     lines = []
     train = [r for r in runs if r.get("kind") in ("full", "trainer")]
-    if train:
-        lines += ["| architecture | inputs | mode | tokens/s | vs transformers + compile | peak GiB | final loss "
-                  "| loss dtype |", "|---|---|---|---|---|---|---|---|"]
-        for r in train:
-            base = next((b for b in train if b["arch"] == r["arch"] and b["kind"] == r["kind"]
-                         and b["mode"] == "hf+compile"), None)
-            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else ""
-            lines.append(f"| {r['arch']} | {r['kind']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | "
-                         f"{r['peak_memory_gib']:.2f} | {r['loss'][-1]:.4f} | {r['loss_dtype']} |")
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in train:
+        groups.setdefault((r["arch"], r["kind"], r["mode"]), []).append(r)
+    if groups:
+        lines += ["| architecture | inputs | mode | tokens/s | vs transformers + compile | step ms p10 / p50 / p90 "
+                  "| peak GiB | final loss | loss dtype |", "|---|---|---|---|---|---|---|---|---|"]
+        for (arch, kind, mode), group in groups.items():
+            r = median_run(group)
+            base = groups.get((arch, kind, "hf+compile"))
+            ratio = f"{r['tokens_per_s'] / median_run(base)['tokens_per_s']:.3f}" if base else ""
+            rate = f"{r['tokens_per_s']:,.0f}"
+            if len(group) > 1:
+                rate += f" ({min(g['tokens_per_s'] for g in group):,.0f}–{max(g['tokens_per_s'] for g in group):,.0f}, "
+                rate += f"{len(group)} runs)"
+            lines.append(f"| {arch} | {kind} | {mode} | {rate} | {ratio} | {spread(r)} | {r['peak_memory_gib']:.2f} | "
+                         f"{r['loss'][-1]:.4f} | {r['loss_dtype']} |")
     sft = [r for r in runs if r.get("kind") in ("padded", "packed")]
     if sft:
         lines += ["", "| batches | mode | real tokens/s | peak GiB |", "|---|---|---|---|"]
@@ -233,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--batches", default="1,16", help="generate: the batch sizes")
     p.add_argument("--caches", default="dynamic,static", help="generate: the caches")
+    p.add_argument("--rounds", type=int, default=1, help="train: runs of each architecture and mode, interleaved")
     p.add_argument("--inputs", choices=("full", "trainer"), default="full", help="train: what the models are given")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -244,10 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(path).write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in result.items() if k not in ("loss", "tokens", "versions")}), flush=True)
     elif args.what == "train":
-        for arch in args.archs.split(","):
-            for mode in args.modes.split(","):
-                name = f"train-{arch}-{mode}" + ("-trainer" if args.inputs == "trainer" else "")
-                launch(out, name, args.inputs, arch, mode, str(args.steps), str(args.warmup), "8", "2048")
+        for round_ in range(1, args.rounds + 1):
+            for arch in args.archs.split(","):
+                for mode in args.modes.split(","):
+                    name = (f"train-{arch}-{mode}" + ("-trainer" if args.inputs == "trainer" else "")
+                            + (f"-{round_}" if args.rounds > 1 else ""))
+                    launch(out, name, args.inputs, arch, mode, str(args.steps), str(args.warmup), "8", "2048")
     elif args.what == "sft":
         for kind in ("padded", "packed"):
             for mode in args.modes.split(","):
