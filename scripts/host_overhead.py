@@ -11,7 +11,9 @@ each call this prints, in one JSON object, the host time per call (``wall_us``: 
 ``cpu_us``: the CPU time of this thread over the same calls) and, on a GPU, the device time per
 call (``device_us``: its kernels' durations in the torch profiler). The baselines measured in the
 same run: the launch of an empty Triton kernel (through Triton's launcher, and through
-`kpt_triton.launch.cached_launch`), a one-element ``torch.add``, and torch's eager kernels.
+`kpt_triton.launch.cached_launch`), a one-element ``torch.add``, and torch's eager kernels. Then
+``kpt rms_norm`` taken apart (`rms_norm_parts`): its argument check, its kernel body, its
+allocations and its launch, each on its own, so that the rest (the dispatch) is the difference.
 
 ``--cpu-stub`` runs kpt-cuda's host path on CPU tensors without a GPU and without Triton's
 interpreter: the backend is pinned to the H200's tuning table (``sm90-hbm3e``), and each compiled
@@ -170,6 +172,32 @@ def calls(be: kpt.Backend, device: torch.device) -> dict[str, Callable[[], Any]]
     }
 
 
+def rms_norm_parts(be: kpt.Backend, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """``kpt rms_norm`` (1 × 4096, bfloat16) taken apart, each part timed on its own: the contract's
+    argument check, the backend's kernel body called directly (tiling, the outputs' allocation and
+    the launch; no check, no dispatch), the two allocations, and the launch of its compiled kernel
+    with the arguments prepared. What the whole call spends beyond the body and the check is
+    `kpt.Backend.call`'s dispatch (grad mode, compile and autocast tests, the result's unpacking)."""
+    from kpt_triton import rms_norm as triton_rms_norm
+    from kpt_triton.tiling import row_launch
+
+    bf16 = {"dtype": torch.bfloat16, "device": device}
+    x, w = torch.randn(1, 4096, **bf16), torch.randn(4096, **bf16)
+    spec, body = kpt.SPECS["rms_norm"], be.kernels()["rms_norm"].forward
+    tuning = {"max_block": 16384, "tile_elems": 2048, "elems_per_warp": 512, **getattr(body, "params", {})}
+    grid, options = row_launch(1, 4096, tuning["max_block"], tuning["tile_elems"], tuning["elems_per_warp"], True,
+                               HAS_RESIDUAL=False, HAS_WEIGHT=True)
+    y, rstd = torch.empty_like(x), torch.empty(1, dtype=torch.float32, device=device)
+    args = (x, x, w, y, None, rstd, 1, 4096, 4096, 1, 4096, 1, 1e-6)
+    return {
+        "kpt rms_norm: contract check only": lambda: spec.check((x, w, 1e-6), {}, be.dtypes),
+        "kpt rms_norm: kernel body only": lambda: body(x, w, 1e-6),
+        "kpt rms_norm: its two allocations": lambda: (torch.empty_like(x), torch.empty(1, dtype=torch.float32,
+                                                                                       device=x.device)),
+        "kpt rms_norm: launch only": lambda: triton_rms_norm._rms_norm_fwd_kernel.launch(grid, args, options),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-stub", action="store_true", help="CPU tensors, launches stubbed (no GPU needed)")
@@ -190,7 +218,8 @@ def main() -> None:
     else:
         be = kpt.get_backend("cuda")
         device = be.device()
-    run = {**empty_kernels(torch.zeros(1, device=device), opts.cpu_stub), **calls(be, device)}
+    run = {**empty_kernels(torch.zeros(1, device=device), opts.cpu_stub), **calls(be, device),
+           **rms_norm_parts(be, device)}
     rows = {}
     with kpt.use_backend(be):  # for nn.RMSNorm: on CPU tensors it would find the reference backend
         for name, fn in run.items():
