@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import json
 import os
 import pstats
@@ -184,7 +185,8 @@ def rms_norm_parts(be: kpt.Backend, device: torch.device) -> dict[str, Callable[
     bf16 = {"dtype": torch.bfloat16, "device": device}
     x, w = torch.randn(1, 4096, **bf16), torch.randn(4096, **bf16)
     spec, body = kpt.SPECS["rms_norm"], be.kernels()["rms_norm"].forward
-    tuning = {"max_block": 16384, "tile_elems": 2048, "elems_per_warp": 512, **getattr(body, "params", {})}
+    defaults = inspect.signature(triton_rms_norm.rms_norm_fwd).parameters.values()
+    tuning = {**{p.name: p.default for p in defaults if p.kind is p.KEYWORD_ONLY}, **getattr(body, "params", {})}
     grid, options = row_launch(1, 4096, tuning["max_block"], tuning["tile_elems"], tuning["elems_per_warp"], True,
                                HAS_RESIDUAL=False, HAS_WEIGHT=True)
     y, rstd = torch.empty_like(x), torch.empty(1, dtype=torch.float32, device=device)

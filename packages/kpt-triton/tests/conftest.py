@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kpt  # noqa: E402
+from kpt.spec import finite as finite_values  # noqa: E402
 from kpt.testing import oracle_backend, to_device  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,7 +61,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
     scale = r.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
     err = (o - r).abs()
     if allowance is not None:
-        err = (err - allowance.to(torch.float64)[finite].nan_to_num(posinf=0.0)).clamp_min(0.0)
+        err = (err - finite_values(allowance.to(torch.float64))[finite]).clamp_min(0.0)
     rel_norm = err.norm() / r.norm().clamp_min(torch.finfo(torch.float64).tiny)
     assert rel_norm <= tol.rel_norm, f"{what}: relative norm error {rel_norm:.3g} > {tol.rel_norm}"
     bad = err > tol.atol * scale + tol.rtol * r.abs()
