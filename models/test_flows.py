@@ -434,6 +434,96 @@ def test_each_decode_step_runs_the_split_kv_decode_kernel(cache: str, monkeypatc
     assert len(steps) == (new - 1) * TINY["num_hidden_layers"], decoded
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_kpt_generate_gives_transformers_tokens(family: str, compiled: bool) -> None:
+    """`kpt.generate` on a left-padded batch gives ``generate()``'s greedy tokens, for the patched
+    model and the unpatched one, with the model's end id (2: Llama's middle row ends early and is
+    padded after it); compiled, the decode step is one graph with no break. A second call of the
+    same shapes, with a shorter prompt, compiles nothing again."""
+    from torch._dynamo.utils import counters
+
+    hf, patched = pair(family, torch.float64)
+    tokens, mask, _ = padded_batch("left")
+    kw = {**GREEDY, "max_new_tokens": 8, "attention_mask": mask}
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        expected = hf.generate(tokens, **kw)
+        shorter = hf.generate(tokens[:, 2:], **{**kw, "attention_mask": mask[:, 2:], "max_new_tokens": 10})
+        for model in (hf, patched):
+            got = kpt.generate(model, tokens, mask, max_new_tokens=8, pad_token_id=0, compile=compiled)
+            assert torch.equal(got, expected), (got, expected)
+            graphs = counters["stats"]["unique_graphs"]
+            got = kpt.generate(model, tokens[:, 2:], mask[:, 2:], max_new_tokens=10, pad_token_id=0,
+                               compile=compiled)
+            assert torch.equal(got, shorter), (got, shorter)
+            assert counters["stats"]["unique_graphs"] == graphs, "the second call compiled again"
+    assert (counters["stats"]["unique_graphs"] >= 1) == compiled
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("check_every", [1, 32])
+def test_kpt_generate_stops_where_every_row_ended(check_every: int) -> None:
+    """With each row's first generated token as an end id, every row ends at once: ``generate()``
+    stops after one token, and so does `kpt.generate`, whether it looks at the rows on the host
+    after that token (``check_every=1``) or only at the end."""
+    hf, patched = pair("llama", torch.float64)
+    tokens, mask, _ = padded_batch("left")
+    with torch.no_grad():
+        first = hf.generate(tokens, **GREEDY, attention_mask=mask, max_new_tokens=1)[:, -1].tolist()
+        kw = {"max_new_tokens": 6, "eos_token_id": first}
+        expected = hf.generate(tokens, **GREEDY, attention_mask=mask, **kw)
+        got = kpt.generate(patched, tokens, mask, pad_token_id=0, compile=False, check_every=check_every, **kw)
+    assert expected.shape[1] == tokens.shape[1] + 1
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_kpt_generate_with_a_sliding_window_gives_transformers_tokens() -> None:
+    """A window shorter than the sequence (Mistral's): its static cache counts tokens on the host, so
+    no CUDA graph is asked for it (`kpt.generate` refuses one) and the tokens are ``generate()``'s."""
+    hf, patched = pair("mistral", torch.float64, sliding_window=4)
+    tokens, mask, _ = padded_batch("left")
+    with torch.no_grad():
+        expected = hf.generate(tokens, **GREEDY, attention_mask=mask, max_new_tokens=8)
+        assert torch.equal(kpt.generate(patched, tokens, mask, max_new_tokens=8, pad_token_id=0, compile=False),
+                           expected)
+        with pytest.raises(ValueError, match="sliding-window"):
+            kpt.generate(patched, tokens, mask, max_new_tokens=8, cuda_graph=True)
+
+
+def test_kpt_generate_refuses_what_it_cannot_decode() -> None:
+    hf, _ = pair("llama")
+    tokens, mask, _ = padded_batch("left")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        kpt.generate(hf, tokens, mask, max_new_tokens=0)
+    with pytest.raises(ValueError, match="attention_mask"):
+        kpt.generate(hf, tokens, mask[:, 1:], max_new_tokens=2)
+    with pytest.raises(ValueError, match="CUDA device"):
+        kpt.generate(hf, tokens, mask, max_new_tokens=2, cuda_graph=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a CUDA device")
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_kpt_generate_replays_a_cuda_graph_with_transformers_tokens(backend: str) -> None:
+    """On a GPU (float32), the decode step is captured once and replayed for every later token and
+    call, and the tokens are ``generate()``'s, for a patched model on the given backend."""
+    if backend not in kpt.list_backends():
+        pytest.skip(f"backend {backend!r} is not installed")
+    hf, patched = pair("llama")
+    hf, patched = hf.cuda(), patched.cuda()
+    tokens, mask, _ = padded_batch("left")
+    tokens, mask = tokens.cuda(), mask.cuda()
+    with torch.no_grad(), kpt.use_backend(backend):
+        expected = hf.generate(tokens, **GREEDY, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+        for _ in range(2):
+            got = kpt.generate(patched, tokens, mask, max_new_tokens=16, eos_token_id=[], pad_token_id=0)
+            assert torch.equal(got, expected), (got, expected)
+    from kpt.generate import _DECODERS
+
+    assert _DECODERS[patched].replay is not None, "no CUDA graph was captured"
+
+
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_the_loss_of_a_bfloat16_model_is_float32(family: str) -> None:
     oracle, _ = pair(family, torch.float64)

@@ -6,7 +6,7 @@ static cache.
     python scripts/bench_models.py train    --steps 100 --out results/   # 3 architectures x 5 modes
     python scripts/bench_models.py train    --inputs trainer ...          # as the Trainer runs them
     python scripts/bench_models.py sft      --steps 60  --out results/   # padded and packed batches
-    python scripts/bench_models.py generate --out results/               # batch 1 and 16, both caches
+    python scripts/bench_models.py generate --out results/               # batch 1 and 16, three loops
     python scripts/bench_models.py table results/                        # the Markdown tables
 
 Each run is its own process (its compile caches and peak memory are its own); the runs of one
@@ -24,7 +24,9 @@ since a traced graph cannot tell that it masks nothing, and `kpt.patch` gives it
 ``[B, S]`` key padding). Packed batches run with ``use_cache=False`` too: with a cache
 transformers' ``sdpa`` masks do not separate the documents. Generation is greedy; its bandwidth
 limit is the bytes of the weights plus the KV cache read per step over the copy bandwidth measured
-in the same process.
+in the same process. ``--caches graph`` decodes with `kpt.generate` (a static cache, each step
+replayed from a CUDA graph) instead of ``generate()``, on the patched model (``kpt``) or the unpatched
+one (``hf``); the table counts the rows whose tokens equal those of transformers' static path.
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ def copy_bandwidth() -> float:
 
 
 def one_generate(arch: str, mode: str, cache: str, batch: int, prompt: int, new: int) -> dict[str, Any]:
+    import kpt
+
     model = build(arch, mode).eval()
     tokens = torch.randint(1, 32000, (batch, prompt), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     mask = torch.ones_like(tokens)
@@ -170,12 +174,19 @@ def one_generate(arch: str, mode: str, cache: str, batch: int, prompt: int, new:
     kw = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
     if cache == "static":
         kw["cache_implementation"] = "static"
+
+    def run() -> torch.Tensor:
+        if cache == "graph":  # kpt's decode loop, its step a CUDA graph
+            return kpt.generate(model, tokens, mask, max_new_tokens=new, eos_token_id=[], pad_token_id=0)
+        return model.generate(tokens, **kw)
+
     with torch.no_grad():
-        model.generate(tokens, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up (and compile)
-        model.generate(tokens, **kw)
+        if cache != "graph":
+            model.generate(tokens, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up (and compile)
+        run()  # warm-up (kpt.generate: compiles and captures the step, kept for the next call)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = model.generate(tokens, **kw)
+        out = run()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -188,7 +199,7 @@ def one_generate(arch: str, mode: str, cache: str, batch: int, prompt: int, new:
     return {"arch": arch, "mode": mode, "cache": cache, "batch": batch, "prompt": prompt, "new": new,
             "tokens_per_s": batch * new / seconds, "step_ms": step * 1e3,
             "bandwidth_limit_ms": step_bytes / bw * 1e3, "fraction_of_bandwidth_limit": step_bytes / bw / step,
-            "copy_gb_s": bw / 1e9, "tokens": out[:, prompt:].tolist()[:2], "versions": versions()}
+            "copy_gb_s": bw / 1e9, "tokens": out[:, prompt:].tolist(), "versions": versions()}
 
 
 def launch(out: Path, name: str, *args: str) -> None:
@@ -241,10 +252,15 @@ def table(folder: Path) -> str:
         lines += [f"| {r['kind']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {r['peak_memory_gib']:.2f} |" for r in sft]
     gen = [r for r in runs if "cache" in r]
     if gen:
-        lines += ["", "| batch | mode | cache | tokens/s | ms a step | bandwidth limit ms | fraction of limit |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['mode']} | {r['cache']} | {r['tokens_per_s']:,.1f} | {r['step_ms']:.2f} | "
-                  f"{r['bandwidth_limit_ms']:.3f} | {r['fraction_of_bandwidth_limit']:.3f} |" for r in gen]
+        lines += ["", "| batch | mode | cache | tokens/s | ms a step | bandwidth limit ms | fraction of limit "
+                  "| rows as transformers' static |", "|---|---|---|---|---|---|---|---|"]
+        static = {r["batch"]: r["tokens"] for r in gen if (r["mode"], r["cache"]) == ("hf", "static")}
+        for r in gen:
+            rows = static.get(r["batch"])
+            same = f"{sum(a == b for a, b in zip(r['tokens'], rows))} of {len(rows)}" if rows else ""
+            lines.append(f"| {r['batch']} | {r['mode']} | {r['cache']} | {r['tokens_per_s']:,.1f} | "
+                         f"{r['step_ms']:.2f} | {r['bandwidth_limit_ms']:.3f} | {r['fraction_of_bandwidth_limit']:.3f} "
+                         f"| {same} |")
     failed = [r for r in runs if "failed" in r]
     lines += [f"- failed: {r['name']} (exit {r['failed']})" for r in failed]
     return "\n".join(lines)
@@ -260,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--archs", default="llama-125m,qwen3-151k,mistral-gqa")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--batches", default="1,16", help="generate: the batch sizes")
-    p.add_argument("--caches", default="dynamic,static", help="generate: the caches")
+    p.add_argument("--caches", default="dynamic,static,graph",
+                   help="generate: transformers' generate() with the dynamic or the static cache, or kpt.generate")
     p.add_argument("--rounds", type=int, default=1, help="train: runs of each architecture and mode, interleaved")
     p.add_argument("--inputs", choices=("full", "trainer"), default="full", help="train: what the models are given")
     args = p.parse_args(argv)

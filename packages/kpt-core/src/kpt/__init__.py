@@ -15,6 +15,7 @@ from __future__ import annotations
 from . import nn
 from .backend import CONTRACT_VERSION, SPECIAL_VALUES, Backend, PerfBar, describe_missing, kernels_from, missing_kernels
 from .errors import BackendError, KernelInputError, KernelNotSupportedError
+from .generate import generate
 from .hookspecs import hookimpl
 from .kernels import SPECS
 from .ops import Kernel, torch_autograd
@@ -39,7 +40,7 @@ __all__ = [
     "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECIAL_VALUES", "SPECS", "AutoModelForCausalLM", "Backend", "BackendError",
     "BackendInfo", "BackendList", "BadInput", "BadIndices", "Case", "Kernel", "KernelInputError",
     "KernelNotSupportedError", "KernelSpec", "PatchSummary", "PerfBar", "Registry", "Tolerance", "backend_for",
-    "checking_indices", "default_tolerance", "describe_missing", "get_backend", "hookimpl", "info", "kernels_from",
+    "checking_indices", "default_tolerance", "describe_missing", "generate", "get_backend", "hookimpl", "info", "kernels_from",
     "list_backends", "list_kernels", "missing_kernels", "nn", "patch", "reload_backends", "torch_autograd", "unpatch",
     "use_backend",
 ]
