@@ -40,7 +40,7 @@ __all__ = [
     "CONTRACT_VERSION", "FLOAT_DTYPES", "SPECIAL_VALUES", "SPECS", "AutoModelForCausalLM", "Backend", "BackendError",
     "BackendInfo", "BackendList", "BadInput", "BadIndices", "Case", "Kernel", "KernelInputError",
     "KernelNotSupportedError", "KernelSpec", "PatchSummary", "PerfBar", "Registry", "Tolerance", "backend_for",
-    "checking_indices", "default_tolerance", "describe_missing", "generate", "get_backend", "hookimpl", "info", "kernels_from",
-    "list_backends", "list_kernels", "missing_kernels", "nn", "patch", "reload_backends", "torch_autograd", "unpatch",
-    "use_backend",
+    "checking_indices", "default_tolerance", "describe_missing", "generate", "get_backend", "hookimpl", "info",
+    "kernels_from", "list_backends", "list_kernels", "missing_kernels", "nn", "patch", "reload_backends",
+    "torch_autograd", "unpatch", "use_backend",
 ]

@@ -170,6 +170,12 @@ class Backend(KernelMethods):
             raise BackendError(f"backend {self.name!r} is missing kernels: {describe_missing(registration.missing)}")
         return registration.ops
 
+    def bodies(self, kernel: str) -> Kernel:
+        """``kernel``'s bodies on this backend, to call without the contract's check and dispatch:
+        for kpt's own composite ops (`kpt.nn`), on tensors that a checked call of the same kernel
+        already took (a backward computing the forward's product again)."""
+        return self._registration.kernels[kernel]
+
     @functools.cached_property
     def _registration(self) -> _Registration:
         # an incomplete backend still runs the kernels it has (the conformance suite checks a
