@@ -13,7 +13,9 @@ tolerance, not float64's.
 from __future__ import annotations
 
 import copy
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -490,6 +492,17 @@ def test_kpt_generate_with_a_sliding_window_gives_transformers_tokens() -> None:
                            expected)
         with pytest.raises(ValueError, match="sliding-window"):
             kpt.generate(patched, tokens, mask, max_new_tokens=8, cuda_graph=True)
+
+
+def test_kpt_generate_keeps_nothing_of_a_freed_model() -> None:
+    """The cache, compiled step and graph a model keeps for its next call go with the model."""
+    hf, _ = pair("llama")
+    tokens, mask, _ = padded_batch("left")
+    kpt.generate(hf, tokens, mask, max_new_tokens=2, compile=False)
+    model = weakref.ref(hf)
+    del hf
+    gc.collect()
+    assert model() is None, "kpt.generate keeps the model alive"
 
 
 def test_kpt_generate_refuses_what_it_cannot_decode() -> None:

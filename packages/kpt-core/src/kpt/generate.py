@@ -65,7 +65,7 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
         _DECODERS[model] = decoder = _Decoder(model, key)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
     with torch.no_grad():
-        return decoder.run(input_ids, mask, max_new_tokens, check_every)
+        return decoder.run(model, input_ids, mask, max_new_tokens, check_every)
 
 
 class _Decoder:
@@ -78,7 +78,7 @@ class _Decoder:
         from transformers.cache_utils import StaticLayer
 
         batch, total, dtype, device, eos, pad, compile, cuda_graph = key
-        self.key, self.model, self.pad = key, model, pad
+        self.key, self.pad = key, pad  # not the model: `_DECODERS` would keep it alive
         self.cache = StaticCache(config=model.config, max_cache_len=total)
         # a sliding window's static layer counts its tokens on the host: a replayed graph would not
         plain = all(type(layer) is StaticLayer for layer in self.cache.layers)
@@ -99,15 +99,10 @@ class _Decoder:
         self.unfinished = torch.empty(batch, dtype=torch.bool, device=device)
         self.produced = torch.empty((), dtype=torch.long, device=device)  # tokens generate() would have made
         self.eos = torch.tensor(eos, dtype=dtype, device=device)
-        self.forward: Callable[[Tensor, Tensor, Tensor], Tensor] = (
-            torch.compile(self.next_tokens, fullgraph=True, dynamic=False) if compile else self.next_tokens)
+        self.forward: Callable[..., Tensor] = (
+            torch.compile(_next_tokens, fullgraph=True, dynamic=False) if compile else _next_tokens)
         self.replay: Callable[[], None] | None = None
 
-    def next_tokens(self, ids: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
-        """The argmax of the model's logits at each row's last position, its KV cache filled."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self.cache_name: self.cache})
-        return out.logits[:, -1].argmax(-1)
 
     def record(self, chosen: Tensor) -> None:
         """Append the tokens ``chosen`` (a finished row's: the pad) and mark the rows they end."""
@@ -118,16 +113,16 @@ class _Decoder:
         self.last.copy_(chosen[:, None])
         self.slot.add_(1)
 
-    def step(self) -> None:
-        self.record(self.forward(self.last, self.position, self.mask))
+    def step(self, model: Any) -> None:
+        self.record(self.forward(model, self.cache_name, self.cache, self.last, self.position, self.mask))
         self.position.add_(1)
 
-    def run(self, input_ids: Tensor, mask: Tensor, new: int, check_every: int) -> Tensor:
+    def run(self, model: Any, input_ids: Tensor, mask: Tensor, new: int, check_every: int) -> Tensor:
         prompt = input_ids.shape[1]
         self.cache.reset()
         # the prompt, with positions as generate() gives them (a left-padded row's first real token at 0)
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        first = self.next_tokens(input_ids, positions, mask)
+        first = _next_tokens(model, self.cache_name, self.cache, input_ids, positions, mask)
         self.tokens.fill_(self.pad)
         self.tokens[:, :prompt] = input_ids
         self.mask.fill_(1)  # the slots after the prompt: hidden by the causal mask until filled
@@ -143,14 +138,21 @@ class _Decoder:
             if self.replay is not None:
                 self.replay()
             elif self.cuda_graph and made == 3:  # two steps compiled it: this one runs, the next replay it
-                self.replay = _captured(self.step)
+                self.replay = _captured(lambda: self.step(model))
             else:
-                self.step()
+                self.step(model)
         return self.tokens[:, : prompt + int(self.produced)].clone()
 
 
+def _next_tokens(model: Any, cache_name: str, cache: Any, ids: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+    """The argmax of ``model``'s logits at each row's last position, its KV ``cache`` filled."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                **{cache_name: cache})
+    return out.logits[:, -1].argmax(-1)
+
+
 _DECODERS: weakref.WeakKeyDictionary[Any, _Decoder] = weakref.WeakKeyDictionary()
-"""The `_Decoder` of each model's last `generate` call."""
+"""The `_Decoder` of each model's last `generate` call, freed with the model."""
 
 
 def _special_tokens(model: Any, eos_token_id: int | list[int] | None, pad_token_id: int | None
