@@ -169,8 +169,14 @@ class _GpuTensor:
 @pytest.mark.parametrize("capturing", [False, True])
 def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
     v, gib = 128256, 2**30
-    free = {"driver": 64 * gib, "cached": 0}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["driver"], 80 * gib))
+    free = {"driver": 64 * gib, "cached": 0, "asked": 0}
+
+    def mem_get_info(device):
+        free["asked"] += 1
+        return free["driver"], 80 * gib
+
+    monkeypatch.setattr(k, "_HOLDABLE", {})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: free["cached"] + gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: gib)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
@@ -178,12 +184,40 @@ def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
     # the tuning's 2^28 logits: 2093 rows, cut to whole tiles of 128
     assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048
     assert k.chunk_rows(300, v, bf16, 1 << 28) == 256  # no more rows than there are
-    free["driver"] = 1 * gib  # 2 bytes a logit: 2048 rows take 0.49 GiB, more than a quarter of 1 GiB
+    # the driver is asked once, not at every loss (where memory is plenty)
+    assert free["asked"] == (0 if capturing else 1)
+    free["driver"] = 1 * gib  # taken by another process: not seen until memory looks short
+    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048
+    k._HOLDABLE.clear()  # as in a new process: 2 bytes a logit, 2048 rows take 0.49 GiB > 1 GiB / 4
     assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 1024)
     assert k.chunk_rows(8192, v, f32, 1 << 28) == (2048 if capturing else 512)  # 4 bytes a logit
     free["cached"] = 1 * gib  # memory torch's allocator holds unused counts as free
     assert k.chunk_rows(8192, v, f32, 1 << 28) == (2048 if capturing else 1024)
     free["driver"], free["cached"] = 10 * 2**20, 0  # 10 MiB: a few rows, whatever it costs in time
+    k._HOLDABLE.clear()
     assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 8)
     free["driver"] = 0
+    k._HOLDABLE.clear()
     assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 1)
+
+
+def test_chunks_shrink_when_torch_holds_more_since_the_driver_was_asked(monkeypatch):
+    """Memory torch allocates after the driver was asked counts without asking again; where the
+    chunk then looks too large, the driver is asked again before the chunk is cut."""
+    v, gib = 128256, 2**30
+    state = {"allocated": gib, "asked": 0}
+
+    def mem_get_info(device):
+        state["asked"] += 1
+        return 3 * gib, 80 * gib
+
+    monkeypatch.setattr(k, "_HOLDABLE", {})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    bf16 = _GpuTensor(torch.bfloat16)
+    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048  # 3 GiB free: 2048 rows (0.49 GiB) fit 4 times
+    state["allocated"] = 5 * gib // 2  # torch took 1.5 GiB more: 1.5 GiB free, 1024 rows fit 4 times
+    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 1024
+    assert state["asked"] == 2  # asked again before cutting

@@ -32,6 +32,8 @@ place. For "none" the forward keeps lse and the backward recomputes each chunk's
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -321,22 +323,41 @@ FREE_MEMORY_SHARE = 4
 starts (`chunk_rows`)."""
 
 
+_HOLDABLE: dict[Any, int] = {}
+"""Per device: the bytes torch could hold there when the driver was last asked (its free memory
+plus what torch's allocator had reserved then)."""
+
+
+def _free_bytes(device: Any, ask: bool) -> int:
+    """The bytes torch can still allocate on ``device``: what it could hold when the driver was last
+    asked (``ask``: now; else only the first time), less what it has allocated now. Asking the driver
+    (``cudaMemGetInfo``) costs microseconds of host time at every loss, and is reported to wait for
+    the device on some drivers, a wait in the middle of a training step; memory that torch reserves
+    or frees later is counted without asking, memory another process takes is not."""
+    if ask or device not in _HOLDABLE:
+        free, _ = torch.cuda.mem_get_info(device)
+        _HOLDABLE[device] = free + torch.cuda.memory_reserved(device)
+    return _HOLDABLE[device] - torch.cuda.memory_allocated(device)
+
+
 def chunk_rows(n: int, v: int, hidden: torch.Tensor, chunk_elems: int) -> int:
     """How many rows of the ``[n, v]`` logits one chunk of ``linear_cross_entropy`` holds.
 
     The chunk's one buffer is its logits in hidden's dtype, which the gradient overwrites: 2 or 4
     bytes a logit. The tuning's ``chunk_elems // v`` rows (2^28 logits: 2,048 rows of Llama 3's
     128,256 vocabulary, 0.49 GiB in bfloat16) are halved, on a CUDA or ROCm device, until the buffer
-    fits in a quarter of the free memory (the driver's free memory and what torch's allocator holds
-    unused; not while a CUDA graph is captured); halving keeps the plans few, so a loss's rounding
+    fits in a quarter of the free memory (`_free_bytes`: the driver's free memory and what torch's
+    allocator holds unused, the driver asked again where that looks short; not while a CUDA graph is
+    captured); halving keeps the plans few, so a loss's rounding
     changes only where memory runs short. Then at least 1 row and at most ``n``, in whole multiples
     of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads
     and writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
     per_row = v * hidden.element_size()
     step = max(1, chunk_elems // max(v, 1))
     if hidden.is_cuda and per_row and not torch.cuda.is_current_stream_capturing():
-        free, _ = torch.cuda.mem_get_info(hidden.device)
-        free += torch.cuda.memory_reserved(hidden.device) - torch.cuda.memory_allocated(hidden.device)
+        free = _free_bytes(hidden.device, ask=False)
+        if step * per_row * FREE_MEMORY_SHARE > free:  # short, or short since the driver was asked
+            free = _free_bytes(hidden.device, ask=True)
         while step > 1 and step * per_row * FREE_MEMORY_SHARE > free:
             step //= 2
     step = min(n, step)
