@@ -510,6 +510,10 @@ def test_kpt_generate_refuses_what_it_cannot_decode() -> None:
     tokens, mask, _ = padded_batch("left")
     with pytest.raises(ValueError, match="max_new_tokens"):
         kpt.generate(hf, tokens, mask, max_new_tokens=0)
+    with pytest.raises(ValueError, match="check_every"):
+        kpt.generate(hf, tokens, mask, max_new_tokens=2, check_every=0)
+    with pytest.raises(ValueError, match="token ids"):
+        kpt.generate(hf, tokens.float(), mask, max_new_tokens=2)
     with pytest.raises(ValueError, match="attention_mask"):
         kpt.generate(hf, tokens, mask[:, 1:], max_new_tokens=2)
     with pytest.raises(ValueError, match="CUDA device"):

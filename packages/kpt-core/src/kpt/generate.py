@@ -54,8 +54,12 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"kpt.generate: attention_mask {tuple(attention_mask.shape)} is not the shape of input_ids "
                          f"{tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kpt.generate: input_ids must hold token ids (int64 or int32), got {input_ids.dtype}")
     if max_new_tokens < 1:
         raise ValueError(f"kpt.generate: max_new_tokens must be at least 1, got {max_new_tokens}")
+    if check_every < 1:
+        raise ValueError(f"kpt.generate: check_every must be at least 1, got {check_every}")
     eos, pad = _special_tokens(model, eos_token_id, pad_token_id)
     batch, prompt = input_ids.shape
     key = (batch, prompt + max_new_tokens, input_ids.dtype, input_ids.device, tuple(eos), pad, compile, cuda_graph)
