@@ -48,7 +48,8 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
 
     The model keeps the last call's cache, compiled step and graph (one set per model): a call of
     the same batch size, ``prompt + max_new_tokens`` and end ids replays them, with nothing compiled
-    or captured again."""
+    or captured again. The graph reads the parameters where they were when it was captured: update
+    them in place (an optimizer step, ``load_state_dict``) between calls, do not replace them."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"kpt.generate: input_ids must be [batch, prompt] with a prompt, got {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -106,7 +107,6 @@ class _Decoder:
         self.forward: Callable[..., Tensor] = (
             torch.compile(_next_tokens, fullgraph=True, dynamic=False) if compile else _next_tokens)
         self.replay: Callable[[], None] | None = None
-
 
     def record(self, chosen: Tensor) -> None:
         """Append the tokens ``chosen`` (a finished row's: the pad) and mark the rows they end."""
