@@ -33,6 +33,8 @@ from .registry import backend_for
 
 ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 """A gated MLP's activation -> the kpt kernel that fuses it with the product by ``up``."""
+_ACTIVATION_ARGS = {"silu": (), "gelu_tanh": ("tanh",)}
+"""What that kernel takes after ``gate`` and ``up``: geglu's approximation."""
 
 
 _RESOLVED: dict[str, Backend] = {}
@@ -252,7 +254,7 @@ _heads_projection.register_autograd(_heads_projection_grad, setup_context=_heads
 
 def _product(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     """``act(gate) * up``: the backend's fused kernel for ``activation`` (`ACTIVATIONS`)."""
-    return getattr(backend(gate), ACTIVATIONS[activation])(gate, up)
+    return getattr(backend(gate), ACTIVATIONS[activation])(gate, up, *_ACTIVATION_ARGS[activation])
 
 
 @torch.library.custom_op("kpt_nn::gated_down", mutates_args=())
@@ -275,7 +277,7 @@ def _gated_down_backward(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor,
     4 x 48), which a compiled training step of a small model spends in every layer."""
     body = backend(gate).bodies(ACTIVATIONS[activation])
     assert body.backward is not None, "the gated activations are differentiable"
-    extra = () if activation == "silu" else ("tanh",)  # geglu's approximation, as `_product` calls it
+    extra = _ACTIVATION_ARGS[activation]
     product = as_tuple(body.forward(gate, up, *extra))[0]
     rows = dout.reshape(-1, dout.shape[-1])
     dweight = rows.t().mm(product.reshape(-1, product.shape[-1])) if weight_grad else rows.new_empty(0)
@@ -435,7 +437,8 @@ def run_experts(x: Tensor, indices: Tensor, weights: Tensor, gate_up_proj: Tenso
     be = backend(x)
     x_sorted, offsets, order = be.moe_dispatch(x, indices.to(torch.int32), gate_up_proj.shape[0])
     gate, up = be.grouped_linear(x_sorted, offsets, gate_up_proj).chunk(2, dim=-1)
-    y_sorted = be.grouped_linear(getattr(be, ACTIVATIONS[activation])(gate, up), offsets, down_proj)
+    product = getattr(be, ACTIVATIONS[activation])(gate, up, *_ACTIVATION_ARGS[activation])
+    y_sorted = be.grouped_linear(product, offsets, down_proj)
     return be.moe_combine(y_sorted, order, weights)
 
 
