@@ -13,7 +13,9 @@ Each run is its own process (its compile caches and peak memory are its own); th
 command go one after another, architectures outer, modes inner. Models are random-initialised,
 in bfloat16, on synthetic token ids (scripts/train_llama.py's corpus); AdamW. tokens/s counts the
 steps after the first ``--warmup`` (compilation included there); each step's time is kept, and the
-table gives their spread (a run slowed by a recompile or a clock drop shows there). ``--rounds N``
+table gives their spread (a run slowed by a recompile or a clock drop shows there), beside the time
+the host took to queue each step (its kernels launched, before the loss is read): where that nears
+the step's time, the GPU waits for the host. ``--rounds N``
 runs every architecture and mode N times, round after round (the modes interleaved), and the table
 gives the median run with the range.
 
@@ -134,7 +136,7 @@ def one_train(arch: str, mode: str, kind: str, steps: int, warmup: int, batch: i
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     data = batches(kind, model.config.vocab_size, batch, seq, steps)
     torch.cuda.reset_peak_memory_stats()
-    losses, times, real = [], [], []
+    losses, times, issued, real = [], [], [], []
     for b in data:
         b = {k: v.cuda(non_blocking=True) for k, v in b.items()}
         torch.cuda.synchronize()
@@ -144,13 +146,15 @@ def one_train(arch: str, mode: str, kind: str, steps: int, warmup: int, batch: i
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        issued.append(time.perf_counter() - start)  # the host has queued the step: where it nears the
+        losses.append(loss.item())                   # step's time, the GPU waits for the host
         times.append(time.perf_counter() - start)
         real.append(int((b["labels"] != -100).sum()) if kind == "padded" else b["input_ids"].numel())
     timed = slice(warmup, None)
     return {"arch": arch, "mode": mode, "kind": kind, "steps": steps, "warmup": warmup, "batch": batch, "seq": seq,
             "loss_dtype": str(loss.dtype), "loss": losses,
             "tokens_per_s": sum(real[timed]) / sum(times[timed]), "step_seconds": [round(t, 6) for t in times],
+            "host_seconds": [round(t, 6) for t in issued],
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "versions": versions()}
 
 
@@ -211,10 +215,11 @@ def launch(out: Path, name: str, *args: str) -> None:
         path.write_text(json.dumps({"name": name, "failed": done.returncode, "args": args}))
 
 
-def spread(run: dict[str, Any]) -> str:
-    """The 10th, 50th and 90th percentiles of a training run's timed steps in ms (a run without
-    its step times, recorded before they were kept: empty)."""
-    steps = sorted(run.get("step_seconds", [])[run["warmup"]:])
+def spread(run: dict[str, Any], key: str = "step_seconds") -> str:
+    """The 10th, 50th and 90th percentiles of a training run's timed steps in ms: their wall time, or
+    with ``key="host_seconds"`` the time the host took to queue them (a run recorded before these
+    were kept: empty)."""
+    steps = sorted(run.get(key, [])[run["warmup"]:])
     if not steps:
         return ""
     return " / ".join(f"{steps[min(len(steps) - 1, int(q * len(steps)))] * 1e3:.1f}" for q in (0.1, 0.5, 0.9))
@@ -235,7 +240,7 @@ def table(folder: Path) -> str:
         groups.setdefault((r["arch"], r["kind"], r["mode"]), []).append(r)
     if groups:
         lines += ["| architecture | inputs | mode | tokens/s | vs transformers + compile | step ms p10 / p50 / p90 "
-                  "| peak GiB | final loss | loss dtype |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| host ms p10 / p50 / p90 | peak GiB | final loss | loss dtype |", "|---" * 10 + "|"]
         for (arch, kind, mode), group in groups.items():
             r = median_run(group)
             base = groups.get((arch, kind, "hf+compile"))
@@ -244,8 +249,8 @@ def table(folder: Path) -> str:
             if len(group) > 1:
                 rate += f" ({min(g['tokens_per_s'] for g in group):,.0f}–{max(g['tokens_per_s'] for g in group):,.0f}, "
                 rate += f"{len(group)} runs)"
-            lines.append(f"| {arch} | {kind} | {mode} | {rate} | {ratio} | {spread(r)} | {r['peak_memory_gib']:.2f} | "
-                         f"{r['loss'][-1]:.4f} | {r['loss_dtype']} |")
+            lines.append(f"| {arch} | {kind} | {mode} | {rate} | {ratio} | {spread(r)} | {spread(r, 'host_seconds')} | "
+                         f"{r['peak_memory_gib']:.2f} | {r['loss'][-1]:.4f} | {r['loss_dtype']} |")
     sft = [r for r in runs if r.get("kind") in ("padded", "packed")]
     if sft:
         lines += ["", "| batches | mode | real tokens/s | peak GiB |", "|---|---|---|---|"]
