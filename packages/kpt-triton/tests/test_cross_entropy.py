@@ -166,6 +166,18 @@ class _GpuTensor:
         return torch.tensor([], dtype=self.dtype).element_size()
 
 
+def _allocator(monkeypatch, allocated, reserved):
+    """torch's allocator statistics on a GPU (their nested form, which `chunk_rows` reads): the bytes
+    ``allocated()`` and ``reserved()`` give at each read."""
+
+    def stats(device):
+        bytes_of = {"allocated": allocated(), "reserved": reserved()}
+        return {f"{kind}_bytes": {pool: {"current": n if pool == "all" else 0, "peak": 3 * n + 1}
+                                  for pool in ("all", "small_pool", "large_pool")} for kind, n in bytes_of.items()}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
+
+
 @pytest.mark.parametrize("capturing", [False, True])
 def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
     v, gib = 128256, 2**30
@@ -177,8 +189,7 @@ def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
 
     monkeypatch.setattr(k, "_HOLDABLE", {})
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: free["cached"] + gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: gib)
+    _allocator(monkeypatch, lambda: gib, lambda: free["cached"] + gib)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     bf16, f32 = _GpuTensor(torch.bfloat16), _GpuTensor(torch.float32)
     # the tuning's 2^28 logits: 2093 rows, cut to whole tiles of 128
@@ -213,8 +224,7 @@ def test_chunks_shrink_when_torch_holds_more_since_the_driver_was_asked(monkeypa
 
     monkeypatch.setattr(k, "_HOLDABLE", {})
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: state["allocated"])
+    _allocator(monkeypatch, lambda: state["allocated"], lambda: gib)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     bf16 = _GpuTensor(torch.bfloat16)
     assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048  # 3 GiB free: 2048 rows (0.49 GiB) fit 4 times

@@ -328,6 +328,15 @@ _HOLDABLE: dict[Any, int] = {}
 plus what torch's allocator had reserved then)."""
 
 
+def _allocator_bytes(device: Any, kind: str) -> int:
+    """The ``kind`` bytes (``"allocated"``, ``"reserved"``) torch's allocator holds now on ``device``,
+    as ``torch.cuda.memory_allocated`` / ``memory_reserved`` give them: read from the nested
+    statistics, which those two flatten and sort (over a hundred entries) at every call: 0.3 ms of
+    host time a loss in a compiled training step under cProfile on an H100 host."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return stats.get(f"{kind}_bytes", {}).get("all", {}).get("current", 0)
+
+
 def _free_bytes(device: Any, ask: bool) -> int:
     """The bytes torch can still allocate on ``device``: what it could hold when the driver was last
     asked (``ask``: now; else only the first time), less what it has allocated now. Asking the driver
@@ -336,8 +345,8 @@ def _free_bytes(device: Any, ask: bool) -> int:
     or frees later is counted without asking, memory another process takes is not."""
     if ask or device not in _HOLDABLE:
         free, _ = torch.cuda.mem_get_info(device)
-        _HOLDABLE[device] = free + torch.cuda.memory_reserved(device)
-    return _HOLDABLE[device] - torch.cuda.memory_allocated(device)
+        _HOLDABLE[device] = free + _allocator_bytes(device, "reserved")
+    return _HOLDABLE[device] - _allocator_bytes(device, "allocated")
 
 
 def chunk_rows(n: int, v: int, hidden: torch.Tensor, chunk_elems: int) -> int:
