@@ -69,6 +69,26 @@ def test_cross_entropy(dtype, case, needs_grad):
                  compare_saved=("dlogits",) if needs_grad else ())
 
 
+@pytest.mark.parametrize("needs_grad", [True, False])
+def test_large_logits_lose_no_precision_to_the_log_sum_exp(needs_grad):
+    """Logits near ±1e4 whose largest two lie within a few units: the loss of a row whose target is
+    its maximum is about log 2, and the probabilities of those two are about 1/2. A float32
+    log-sum-exp there is 2^-11 off (half an ulp of 1e4), 1e-3 of that loss and of those
+    probabilities; the kernel subtracts the maximum and log Σ exp apart, exactly enough."""
+    g = torch.Generator().manual_seed(3)
+    n, v = 6, 40
+    logits = (torch.rand(n, v, generator=g) * 2 - 1) * 1e4
+    top = logits.argmax(1)
+    peak = logits[torch.arange(n), top]
+    logits[:, 0] = peak - torch.rand(n, generator=g) * 2  # the runner-up, within 2 of the maximum
+    target = torch.where(torch.arange(n) % 2 == 0, top, torch.zeros(n, dtype=torch.long))
+    args = {"logits": logits, "target": target, "ignore_index": -100, "label_smoothing": 0.0,
+            "reduction": "none", "needs_grad": needs_grad}
+    fwd = functools.partial(k.cross_entropy_fwd, block_v=16, programs_per_sm=1)
+    check_kernel("cross_entropy", fwd, k.cross_entropy_bwd if needs_grad else None, args, torch.float32,
+                 compare_saved=("dlogits",) if needs_grad else ())
+
+
 @pytest.mark.parametrize("factor", ["one", "shared", "per_row"])
 def test_scale_rows_in_place(factor):
     g = torch.Generator().manual_seed(5)

@@ -10,7 +10,9 @@ For one row of logits z ∈ ℝ^V with target t (rows with t = ignore_index give
 where g is the gradient reaching the row's loss (g/n_kept for "mean"). One kernel does both
 halves: pass 1 reads the row once, keeping a running maximum m and a running sum rescaled
 whenever m grows (``s ← s · exp(m − m') + Σ exp(z − m')``), so no float32 ``[N, V]`` copy is
-ever made; pass 2 reads the row again and writes dz. ``cross_entropy`` runs both in its
+ever made; pass 2 reads the row again and writes dz. The loss and dz subtract m and log s one
+after the other (``exp((z − m) − log s)``), not their float32 sum, which at logits of 1e4 is
+2^-11 off. ``cross_entropy`` runs both in its
 forward when a gradient is wanted (dz for an upstream gradient of 1); its backward only scales
 dz in place (`scale_rows_`), and does nothing at all when the upstream gradient is 1, the
 ``loss.backward()`` of a mean loss. The grid is persistent, a few programs per multiprocessor,
@@ -40,7 +42,7 @@ import triton.language as tl
 
 from .launch import cached_launch
 from .linear import mm
-from .softmax import log_sum_exp, lse_parts_kernel, lse_stats, merged_stats
+from .softmax import lse_parts_kernel, lse_stats, merged_stats
 from .tiling import (
     aligned,
     aligned_span,
@@ -84,13 +86,24 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
-def _write_grad(Z_AT, BIAS, col0, DZ_AT, cols, mask, stride_zv, target, kept, g, lse, label_smoothing, V,
+def _lse_terms(m, s):
+    """The log-sum-exp of `lse_stats`' ``(m, s)`` as two terms, ``(m, log s)``, which the loss and the
+    gradient subtract one after the other: ``z − m`` is exact for the logits that matter, and ``log s``
+    lies in [0, log V]. Their float32 sum is off by up to half an ulp of ``m`` (2^-11 at 1e4), which
+    ``exp(z − lse)`` would carry into every probability of a row of large logits. A +inf logit gives
+    ``(inf, 0)``: the log-sum-exp +inf, as `kpt_triton.softmax.log_sum_exp` gives it."""
+    return m, tl.where(m == float("inf"), 0.0, tl.log(s))
+
+
+@triton.jit
+def _write_grad(Z_AT, BIAS, col0, DZ_AT, cols, mask, stride_zv, target, kept, g, top, log_s, label_smoothing, V,
                 HAS_BIAS: tl.constexpr):
-    """``dz`` at columns ``cols`` of the row at ``Z_AT``, which is column ``col0`` of the vocabulary."""
+    """``dz`` at columns ``cols`` of the row at ``Z_AT``, which is column ``col0`` of the vocabulary;
+    the row's log-sum-exp is ``top + log_s`` (`_lse_terms`)."""
     z = tl.load(Z_AT + cols * stride_zv, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_BIAS:
         z += tl.load(BIAS + col0 + cols, mask=mask, other=0.0).to(tl.float32)
-    d = tl.exp(z - lse) - label_smoothing / V
+    d = tl.exp((z - top) - log_s) - label_smoothing / V
     d -= tl.where(cols == target - col0, 1.0 - label_smoothing, 0.0)
     # selected: an ignored row's inf or NaN logits reach nothing (0 · NaN)
     tl.store(DZ_AT + cols, tl.where(kept, g * d, 0.0).to(DZ_AT.dtype.element_ty), mask=mask,
@@ -123,19 +136,20 @@ def _cross_entropy_row(
     z_sum = 0.0
     if LSE_FROM == _LSE_ROW:
         m, s, z_sum = lse_stats(Z, start, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V, VEC)
-        lse = log_sum_exp(m, s)
+        top, log_s = _lse_terms(m, s)
     elif LSE_FROM == _LSE_PARTS:
         m, s, z_sum = merged_stats(PARTS, row, tl.cdiv(V, span), SMOOTHING, BLOCK_P)
-        lse = log_sum_exp(m, s)
+        top, log_s = _lse_terms(m, s)
     else:
-        lse = tl.load(LSE + row)
+        top = tl.load(LSE + row)
+        log_s = 0.0
     if LSE_FROM != _LSE_SAVED:
-        tl.store(LSE + row, lse, mask=first)
+        tl.store(LSE + row, top + log_s, mask=first)
 
     if WRITE_LOSS:
-        loss = (1.0 - label_smoothing) * (lse - z_t)
+        loss = (1.0 - label_smoothing) * ((top - z_t) + log_s)
         if SMOOTHING:
-            loss += label_smoothing * (lse - z_sum / V)
+            loss += label_smoothing * ((top - z_sum / V) + log_s)
         tl.store(LOSS + row, tl.where(kept, loss, 0.0), mask=first)
 
     if WRITE_GRAD:
@@ -146,14 +160,14 @@ def _cross_entropy_row(
         a, n = aligned_span(start, lo, hi, VEC)
         if VEC > 1:
             edge, edge_mask = edge_columns(lo, a, n, hi, VEC)
-            _write_grad(z_row, BIAS, 0, dz_row, edge, edge_mask, stride_zv, target, kept, g, lse, label_smoothing, V,
-                        HAS_BIAS)
+            _write_grad(z_row, BIAS, 0, dz_row, edge, edge_mask, stride_zv, target, kept, g, top, log_s,
+                        label_smoothing, V, HAS_BIAS)
         z_at = Z + aligned(start, a, stride_zv, VEC)
         dz_at = DZ + aligned(row * stride_dzn, a, 1, VEC)
         # last chunk first: the chunks the log-sum-exp pass read last are the likeliest still in L2
         for c_rev in range(0, n, BLOCK_V):
             c = (tl.cdiv(n, BLOCK_V) - 1) * BLOCK_V - c_rev
-            _write_grad(z_at, BIAS, a, dz_at, c + cols, c + cols < n, stride_zv, target, kept, g, lse,
+            _write_grad(z_at, BIAS, a, dz_at, c + cols, c + cols < n, stride_zv, target, kept, g, top, log_s,
                         label_smoothing, V, HAS_BIAS)
 
 
