@@ -11,7 +11,7 @@ from kpt_mps.families import FAMILIES
 
 import kpt
 from kpt.kernels.attention import attention_hidden_pairs_add_nothing
-from kpt.testing import check_backward, compare
+from kpt.testing import check_backward, check_forward, compare
 
 
 def test_plugin_returns_one_backend():
@@ -98,6 +98,23 @@ def test_attention_scores_overflowing_float32_give_the_float32_softmax(emulated)
         ref = kpt.get_backend("reference").attention(q, k, v, causal=causal)
         assert ref.isnan().any()
         torch.testing.assert_close(o, ref, equal_nan=True)
+
+
+def test_cross_entropy_of_large_logits_loses_no_precision_to_the_log_sum_exp(emulated):
+    # logits near ±1e4 whose largest two lie within 2 of each other: half of the rows' targets are
+    # their maximum (a loss of about log 2), the others the runner-up. The float32 sum m + log Σ exp
+    # is up to 2^-11 off there, 1e-3 of those losses and of the two probabilities near 1/2
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.rand(6, 40, generator=g) * 2 - 1) * 1e4
+    top = logits.argmax(1)
+    logits[:, 0] = logits[torch.arange(6), top] - torch.rand(6, generator=g) * 2
+    args = {"logits": logits, "target": torch.where(torch.arange(6) % 2 == 0, top, 0), "ignore_index": -100,
+            "label_smoothing": 0.0, "reduction": "none"}
+    spec, mps = kpt.SPECS["cross_entropy"], kpt.get_backend("mps")
+    forward = check_forward(mps, spec, args, torch.float32)
+    assert forward.ok, forward.message
+    backward = check_backward(mps, spec, args, torch.float32, g)
+    assert backward.ok, backward.message
 
 
 # (input, row, value, causal) for q [1, 2, 70, 32] and k, v [1, 1, 60, 32] (causal: queries 0..9 see

@@ -12,8 +12,8 @@
 //
 //   pass A (as the row arrives): m = max z, s = sum exp(z - m), lse = m + log s  (online per
 //                     thread, as each of its vectors lands; then two block reductions)
-//   pass B (on chip): softmax: y = exp(z - lse);
-//                     LOSS: dz = g * (exp(z - lse) - (1 - eps) * onehot(t) - eps / V);
+//   pass B (on chip): softmax: y = exp((z - m) - log s);
+//                     LOSS: dz = g * (exp((z - m) - log s) - (1 - eps) * onehot(t) - eps / V);
 //                     stored; as each vector is done, the same slot starts loading the next row
 //                     (cp.async for shared memory), so the next row's reads overlap this row's
 //                     writes.
@@ -249,8 +249,9 @@ __device__ __forceinline__ void fold(const float (&f)[N], float& m, float& s, fl
 
 // One logit's gradient: g * (softmax - (1 - eps) * onehot - eps / V); 0 in an ignored row, whose
 // inf or NaN logits reach nothing (not 0 * NaN).
-__device__ __forceinline__ float grad_of(float z, bool is_target, bool kept, float lse, float g, float off, float hit) {
-    const float d = ex2((z - lse) * LOG2E) - off;
+__device__ __forceinline__ float grad_of(float z, bool is_target, bool kept, float top, float ls, float g, float off,
+                                         float hit) {
+    const float d = ex2(((z - top) - ls) * LOG2E) - off;
     return kept ? g * (is_target ? d - hit : d) : 0.f;
 }
 
@@ -303,14 +304,18 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
         if (SMOOTHING) zsum = block_reduce<THREADS, 1>(zsum, scratch[2]);
         m = m_row;
         // a maximum of -inf, +inf or NaN: the row's lse for the loss; the softmax exp(z - max) / sum
-        // is NaN throughout such a row (inf - inf, or a NaN sum), as the contract's
-        const float lse = finite(m) ? m + __logf(s) : LOSS ? m : __int_as_float(0x7fc00000);
+        // is NaN throughout such a row (inf - inf, or a NaN sum), as the contract's. The lse is kept
+        // as two terms, top + ls, subtracted one after the other: z - m is exact for the logits that
+        // matter, and their float32 sum is up to 2^-11 off at logits near 1e4, an error every output
+        // would carry
+        const float top = finite(m) || LOSS ? m : __int_as_float(0x7fc00000);
+        const float ls = finite(m) ? __logf(s) : 0.f;
 
         if (LOSS && tid == 0) {
             const bool in_range = t >= 0 && t < v;
             const float z_t = kept && in_range ? E::scalar(z, span.offset + t) : __int_as_float(0x7fc00000);  // NaN
-            float l = (1.f - smoothing) * (lse - z_t);
-            if (SMOOTHING) l += smoothing * (lse - zsum / v);
+            float l = (1.f - smoothing) * ((top - z_t) + ls);
+            if (SMOOTHING) l += smoothing * ((top - zsum / v) + ls);
             loss[row] = kept ? l : 0.f;
         }
 
@@ -333,14 +338,14 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
                 E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], f);
                 const long long col = span.head + static_cast<long long>(j) * EL;
 #pragma unroll
-                for (int i = 0; i < EL; ++i) f[i] = grad_of(f[i], col + i == t, kept, lse, g, off, hit);
+                for (int i = 0; i < EL; ++i) f[i] = grad_of(f[i], col + i == t, kept, top, ls, g, off, hit);
                 store_streaming(dz_vectors + j, E::pack(f));
             }
             load_vector<THREADS, REG_VECS>(k, reg, slots, next_vectors, after.nvec, next < n);
         }
         if (tid < span.edges) {
             const int c = span.edge_column(tid);
-            E::store(dz, dz_offset + c, grad_of(edge, c == t, kept, lse, g, off, hit));
+            E::store(dz, dz_offset + c, grad_of(edge, c == t, kept, top, ls, g, off, hit));
         }
         if (next < n && tid < after.edges) edge = E::scalar(z, after.offset + after.edge_column(tid));
         span = after;

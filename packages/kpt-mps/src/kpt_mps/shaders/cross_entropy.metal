@@ -27,19 +27,23 @@ kernel void cross_entropy_fwd(device const uchar* z [[buffer(0)]], device const 
   float s = 0.0f;
   for (long c = lid; c < v; c += nt) s += precise::exp(load(z, base + c, zc) - m);
   s = group_sum(s, partial, lid, nt);
-  // a +inf logit: s is NaN (inf − inf), lse +inf; a NaN logit: NaN, also beside a +inf one
-  float lse = nans > 0.0f ? NAN : (m == INFINITY ? m : m + precise::log(s));
+  // a +inf logit: s is NaN (inf − inf), lse +inf; a NaN logit: NaN, also beside a +inf one.
+  // lse = top + ls, subtracted term by term below: z − m is exact for the logits that matter, and
+  // their float32 sum is up to 2^-11 off at logits near 1e4, an error every probability would carry
+  float top = nans > 0.0f ? NAN : m;
+  float ls = (nans > 0.0f || m == INFINITY) ? 0.0f : precise::log(s);
+  float lse = top + ls;
   if (lid == 0) {
     float zt = in_range ? load(z, base + t, zc) : 0.0f;
-    float loss = (1.0f - eps) * (lse - zt);
-    if (eps > 0.0f) loss += eps * (lse - total / float(v > 0 ? v : 1));
+    float loss = (1.0f - eps) * ((top - zt) + ls);
+    if (eps > 0.0f) loss += eps * ((top - total / float(v > 0 ? v : 1)) + ls);
     losses[row] = kept ? (in_range ? loss : NAN) : 0.0f;
     lse_out[row] = lse;
   }
   if (!grad) return;
   float g = unit[row];
   for (long c = lid; c < v; c += nt) {
-    float d = precise::exp(load(z, base + c, zc) - lse) - (c == t ? 1.0f - eps : 0.0f) - eps / float(v);
+    float d = precise::exp((load(z, base + c, zc) - top) - ls) - (c == t ? 1.0f - eps : 0.0f) - eps / float(v);
     store(dz, base + c, dc, kept ? g * d : 0.0f);  // an ignored row's inf or NaN reaches nothing
   }
 }
