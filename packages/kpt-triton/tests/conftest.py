@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import random
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,20 @@ from kpt.spec import finite as finite_values  # noqa: E402
 from kpt.testing import oracle_backend, to_device  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+SEED = int(os.environ.get("KPT_TEST_SEED") or random.randrange(2**31))
+"""This run's seed of the tests' random inputs: fresh at every run, printed at the end of the run
+(quiet runs included); ``KPT_TEST_SEED=<seed>`` gives a failing run's inputs again."""
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.write_line(f"kpt-triton tests: inputs seed {SEED} (replay: KPT_TEST_SEED={SEED})")
+
+
+def seeded(*case: Any) -> torch.Generator:
+    """The generator of one test case's inputs: this run's `SEED` and the case (its parts' repr,
+    which, unlike Python's ``hash`` of a string, is the same in every process)."""
+    return torch.Generator().manual_seed((SEED + zlib.crc32(repr(case).encode())) % 2**31)
 
 
 def device() -> torch.device:

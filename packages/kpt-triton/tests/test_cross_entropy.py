@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from conftest import check_kernel, device
+from conftest import check_kernel, device, seeded
 from kpt.spec import randn, strided
 from kpt.testing import to_device
 from kpt_triton import cross_entropy as k
@@ -60,7 +60,7 @@ CE_CASES = {
 @pytest.mark.parametrize("case", CE_CASES)
 @pytest.mark.parametrize("needs_grad", [True, False])
 def test_cross_entropy(dtype, case, needs_grad):
-    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    g = seeded(case)
     # small chunks so that the online logsumexp crosses several of them; two programs, so that
     # the persistent loop takes several rows
     fwd = functools.partial(k.cross_entropy_fwd, block_v=16, programs_per_sm=1)
@@ -148,7 +148,7 @@ LCE_CASES = {
 def test_linear_cross_entropy(dtype, case, needs_grad):
     if dtype == torch.float32 and LCE_CASES[case].get("bias") is torch.float32:
         pytest.skip("a 16-bit case")
-    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    g = seeded(case)
     args = {**_lce(g, dtype, **LCE_CASES[case]), "needs_grad": needs_grad}
     # a few rows per chunk: every chunk boundary of the row loop is crossed
     kw = {"chunk_elems": 3 * max(args["weight"].shape[0], 1), "block_v": 16}

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_kernel, device
+from conftest import check_kernel, device, seeded
 from kpt.spec import randn, strided
 from kpt_triton import fp8 as k
 
@@ -21,7 +21,7 @@ def _ids(d):
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_quantize(dtype, granularity, fp8_dtype, shape):
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    g = seeded(shape)
     args = {"x": randn(g, *shape, dtype=dtype, scale=3.0), "granularity": granularity, "fp8_dtype": fp8_dtype}
     check_kernel("quantize_fp8", k.quantize_fp8_fwd, None, args, dtype)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_nan_rows_stay, check_kernel, device
+from conftest import assert_nan_rows_stay, check_kernel, device, seeded
 from kpt.spec import identity, randn, strided
 from kpt.testing import to_device
 from kpt_triton import linear as k
@@ -38,7 +38,7 @@ def _bodies(tiles):
 @pytest.mark.parametrize("tiles", TILES.values(), ids=TILES.keys())
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
 def test_activations(dtype, activation, tiles):
-    g = torch.Generator().manual_seed(hash((activation, str(dtype))) % 2**31)
+    g = seeded(activation, str(dtype))
     args = _args(g, dtype, (2, 17, 40), 33, bias="same", activation=activation)
     check_kernel("linear", *_bodies(tiles), args, dtype, compare_saved=("pre",) if activation else ())
 
@@ -62,7 +62,7 @@ SHAPES = {  # x shape, N, bias, activation
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_shapes(dtype, shape, tiles):
     x_shape, n, bias, activation = shape
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    g = seeded(shape)
     args = _args(g, dtype, x_shape, n, bias=bias, activation=activation)
     check_kernel("linear", *_bodies(tiles), args, dtype)
 

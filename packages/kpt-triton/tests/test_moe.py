@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_kernel, device
+from conftest import check_kernel, device, seeded
 from kpt.spec import identity, randn, strided
 from kpt_triton import moe as k
 
@@ -39,7 +39,7 @@ GATING = {  # tokens, experts, k, renormalize
 @pytest.mark.parametrize("shape", GATING.values(), ids=GATING.keys())
 def test_gating(dtype, shape):
     tokens, experts, top_k, renormalize = shape
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    g = seeded(shape)
     args = {"logits": randn(g, tokens, experts, dtype=dtype), "k": top_k, "renormalize": renormalize}
     # several programs, each with several rows
     check_kernel("moe_gating", _with(k.moe_gating_fwd, tile_elems=256),
@@ -87,7 +87,7 @@ DISPATCH = {  # tokens, hidden, experts, k, skewed
 @pytest.mark.parametrize("shape", DISPATCH.values(), ids=DISPATCH.keys())
 def test_dispatch(dtype, shape, block_pairs):
     tokens, hidden, experts, top_k, skewed = shape
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    g = seeded(shape)
     args = {"x": randn(g, tokens, hidden, dtype=dtype),
             "indices": _route(g, tokens, experts, top_k, skewed=skewed), "num_experts": experts}
     # blocks of 16 pairs: the stable order must hold across blocks, and several experts per block;
@@ -136,7 +136,7 @@ TILES = {"default": {}, "tiles16": {"block_m": 16, "block_n": 16, "block_k": 16}
 @pytest.mark.parametrize("tiles", TILES.values(), ids=TILES.keys())
 @pytest.mark.parametrize("shape", GROUPED.values(), ids=GROUPED.keys())
 def test_grouped_linear(dtype, shape, tiles):
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    g = seeded(shape)
     check_kernel("grouped_linear", _with(k.grouped_linear_fwd, **tiles), _with(k.grouped_linear_bwd, **tiles),
                  _grouped_args(g, dtype, *shape), dtype)
 
@@ -176,7 +176,7 @@ def _combine_args(g, dtype, tokens, top_k, hidden, weights_like_y, *, layout=ide
 @pytest.mark.parametrize("one_block", [0, 512], ids=["inverse_kernel", "inverted_inside"])
 @pytest.mark.parametrize("shape", COMBINE.values(), ids=COMBINE.keys())
 def test_combine(dtype, shape, one_block):
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    g = seeded(shape)
     check_kernel("moe_combine", _with(k.moe_combine_fwd, block_t=4, block_h=16, one_block=one_block),
                  _with(k.moe_combine_bwd, block_r=4, block_h=16, one_block=one_block),
                  _combine_args(g, dtype, *shape), dtype)

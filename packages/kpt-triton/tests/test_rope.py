@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_kernel, device
+from conftest import check_kernel, device, seeded
 from kpt.spec import randn, strided
 from kpt.testing import to_device
 from kpt_triton import rope as k
@@ -47,7 +47,7 @@ def _check(args, dtype, **tuning):
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_shapes(dtype, shape):
-    _check(_args(torch.Generator().manual_seed(hash(shape) % 2**31), dtype, *shape), dtype)
+    _check(_args(seeded(shape), dtype, *shape), dtype)
 
 
 def test_transposed_small_tiles(dtype):
