@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .launch import cached_launch
 from .linear import mm
-from .softmax import lse_parts_kernel, lse_stats, merged_stats
+from .softmax import lse_parts_kernel, lse_stats, lse_terms, merged_stats
 from .tiling import (
     aligned,
     aligned_span,
@@ -86,20 +86,10 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
-def _lse_terms(m, s):
-    """The log-sum-exp of `lse_stats`' ``(m, s)`` as two terms, ``(m, log s)``, which the loss and the
-    gradient subtract one after the other: ``z − m`` is exact for the logits that matter, and ``log s``
-    lies in [0, log V]. Their float32 sum is off by up to half an ulp of ``m`` (2^-11 at 1e4), which
-    ``exp(z − lse)`` would carry into every probability of a row of large logits. A +inf logit gives
-    ``(inf, 0)``: the log-sum-exp +inf, as `kpt_triton.softmax.log_sum_exp` gives it."""
-    return m, tl.where(m == float("inf"), 0.0, tl.log(s))
-
-
-@triton.jit
 def _write_grad(Z_AT, BIAS, col0, DZ_AT, cols, mask, stride_zv, target, kept, g, top, log_s, label_smoothing, V,
                 HAS_BIAS: tl.constexpr):
     """``dz`` at columns ``cols`` of the row at ``Z_AT``, which is column ``col0`` of the vocabulary;
-    the row's log-sum-exp is ``top + log_s`` (`_lse_terms`)."""
+    the row's log-sum-exp is ``top + log_s`` (`kpt_triton.softmax.lse_terms`)."""
     z = tl.load(Z_AT + cols * stride_zv, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_BIAS:
         z += tl.load(BIAS + col0 + cols, mask=mask, other=0.0).to(tl.float32)
@@ -136,10 +126,10 @@ def _cross_entropy_row(
     z_sum = 0.0
     if LSE_FROM == _LSE_ROW:
         m, s, z_sum = lse_stats(Z, start, BIAS, 0, V, stride_zv, HAS_BIAS, SMOOTHING, BLOCK_V, VEC)
-        top, log_s = _lse_terms(m, s)
+        top, log_s = lse_terms(m, s)
     elif LSE_FROM == _LSE_PARTS:
         m, s, z_sum = merged_stats(PARTS, row, tl.cdiv(V, span), SMOOTHING, BLOCK_P)
-        top, log_s = _lse_terms(m, s)
+        top, log_s = lse_terms(m, s)
     else:
         top = tl.load(LSE + row)
         log_s = 0.0

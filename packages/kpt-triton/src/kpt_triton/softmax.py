@@ -109,10 +109,13 @@ def lse_stats(Z, start, BIAS, lo, hi, stride_zv, HAS_BIAS: tl.constexpr, SMOOTHI
 
 
 @triton.jit
-def log_sum_exp(m, s):
-    """log Σ exp from `lse_stats`; a +inf logit makes s NaN (inf − inf): the log-sum-exp is then
-    +inf, as in the reference."""
-    return tl.where(m == float("inf"), m, m + tl.log(s))
+def lse_terms(m, s):
+    """log Σ exp from `lse_stats` as two terms, ``(m, log s)``, which a caller subtracts one after
+    the other: ``z − m`` is exact for the logits that matter, and ``log s`` lies in [0, log V].
+    Their float32 sum is off by up to half an ulp of ``m`` (2^-11 at 1e4), which ``exp(z − lse)``
+    would carry into every probability of a row of large logits. A +inf logit makes s NaN
+    (inf − inf): the terms are then ``(inf, 0)``, a log-sum-exp of +inf, as in the reference."""
+    return m, tl.where(m == float("inf"), 0.0, tl.log(s))
 
 
 @cached_launch
