@@ -100,3 +100,23 @@ def test_special_values_as_the_reference(monkeypatch, dtype, eps, v):
         assert torch.equal(got.isposinf(), want.isposinf()) and torch.equal(got.isneginf(), want.isneginf())
         finite = want.isfinite()
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-2, atol=1e-2 * want[finite].abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA GPU: the CUDA C kernel runs nowhere else")
+@pytest.mark.parametrize("v", [4096, 4099])
+def test_large_logits_lose_no_precision_to_the_log_sum_exp(monkeypatch, v):
+    """float32 logits near ±1e4 whose largest two lie within 2: a row whose target is its maximum has
+    a loss near log 2. A log-sum-exp kept as one float32 sum is half an ulp of 1e4 (2^-11) off, 1e-3
+    of that loss; the kernel keeps the maximum and log Σ exp apart."""
+    monkeypatch.setattr(native, "ONCHIP_MIN_V", 1)
+    monkeypatch.setattr(onchip, "MIN_ROWS_PER_SM", 0)
+    n = 64
+    z = (torch.rand(n, v, device="cuda") * 2 - 1) * 1e4
+    top = z.argmax(1)
+    z[:, 0] = z[torch.arange(n), top] - torch.rand(n, device="cuda") * 2  # the runner-up
+    target = torch.where(torch.arange(n, device="cuda") % 2 == 0, top, torch.zeros_like(top))
+    loss, dz = native.cross_entropy_fwd(z, target, -100, 0.0, "none", True)
+    ref_loss, ref_dz = kpt.SPECS["cross_entropy"].forward(z.cpu().double(), target.cpu(), -100, 0.0, "none", True)
+    torch.testing.assert_close(loss.double().cpu(), ref_loss, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(dz.double().cpu(), ref_dz, rtol=0, atol=2e-6)
