@@ -8,6 +8,7 @@ static cache.
     python scripts/bench_models.py sft      --steps 60  --out results/   # padded and packed batches
     python scripts/bench_models.py generate --out results/               # batch 1 and 16, three loops
     python scripts/bench_models.py table results/                        # the Markdown tables
+    python scripts/bench_models.py plot results/ loss.png                # the training runs' loss curves
 
 Each run is its own process (its compile caches and peak memory are its own); the runs of one
 command go one after another, architectures outer, modes inner. Models are random-initialised,
@@ -271,9 +272,40 @@ def table(folder: Path) -> str:
     return "\n".join(lines)
 
 
+def plot(folder: Path, png: Path) -> None:
+    """The loss of every step of the training runs in ``folder`` (the median run of each mode where
+    there are several), a panel per architecture and inputs, a line per mode, into ``png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    panels: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    for r in runs:
+        if r.get("kind") in ("full", "trainer"):
+            panels.setdefault((r["arch"], r["kind"]), {}).setdefault(r["mode"], []).append(r)
+    if not panels:
+        raise SystemExit(f"no training run in {folder}")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
+    for ax, ((arch, kind), modes) in zip(axes[0], panels.items()):
+        for mode, group in sorted(modes.items(), key=lambda m: MODES.index(m[0]) if m[0] in MODES else len(MODES)):
+            r = median_run(group)
+            ax.plot(range(1, len(r["loss"]) + 1), r["loss"], lw=0.8,
+                    label=f"{mode}: {r['tokens_per_s']:,.0f} tokens/s, {r['peak_memory_gib']:.2f} GiB")
+        ax.set(title=f"{arch} ({kind} inputs)", xlabel="step", yscale="log")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("loss")
+    first = next(iter(next(iter(panels.values())).values()))[0]
+    v = first.get("versions", {})
+    fig.suptitle(f"{v.get('device', '')}, torch {v.get('torch', '')}, transformers {v.get('transformers', '')}: "
+                 f"batch {first['batch']} x {first['seq']}, bf16, AdamW", fontsize=9)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("train", "sft", "generate", "table", "one"))
+    p.add_argument("what", choices=("train", "sft", "generate", "table", "plot", "one"))
     p.add_argument("rest", nargs="*")
     p.add_argument("--out", default="results")
     p.add_argument("--steps", type=int, default=100)
@@ -312,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                 for cache in args.caches.split(","):
                     launch(out, f"generate-b{batch}-{mode}-{cache}", "generate", "llama-1.3b", mode, cache,
                            str(batch), "128", "128")
+    elif args.what == "plot":
+        folder, png = args.rest
+        plot(Path(folder), Path(png))
     else:
         print(table(Path(args.rest[0] if args.rest else args.out)))
     return 0
