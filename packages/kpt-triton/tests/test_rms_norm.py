@@ -33,7 +33,7 @@ def test_shapes(dtype, shape, residual):
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["rms_norm", "add_rms_norm"])
-@pytest.mark.parametrize("variant", ["strided", "fp32_weight", "no_weight", "chunked"])
+@pytest.mark.parametrize("variant", ["strided", "fp32_weight", "no_weight", "chunked", "one_program"])
 def test_variants(dtype, residual, variant):
     g = torch.Generator().manual_seed(7)
     name = "add_rms_norm" if residual else "rms_norm"
@@ -45,11 +45,15 @@ def test_variants(dtype, residual, variant):
         args = _args(g, dtype, (5, 40), residual=residual, weight=torch.float32)
     elif variant == "no_weight":
         args = _args(g, dtype, (5, 40), residual=residual, weight=None)
-    else:
+    elif variant == "chunked":
         # rows wider than one chunk take the multi-pass path; several rows per program
         args = _args(g, dtype, (7, 37), residual=residual, layout=strided)
         kw = {"max_block": 16, "tile_elems": 32}
-    bkw = {**kw, "programs_per_sm": 1}
+    else:
+        # seven one-row tiles in one program, which writes the weight's gradient itself
+        args = _args(g, dtype, (7, 40), residual=residual)
+        kw = {"tile_elems": 64}
+    bkw = {**kw, "programs_per_sm": 1} if variant != "one_program" else {**kw, "one_program_tiles": 8}
 
     def fwd_t(*a):
         return fwd(*a, **kw)

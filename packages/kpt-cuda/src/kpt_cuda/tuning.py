@@ -44,8 +44,12 @@ _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 # norm backwards stopped compiling chunk loops for one-chunk rows (2026-11-27): layer_norm_bwd at
 # 65536 x 8192 1787 -> 1260 us (16 warps a row; 16384 x 4096 224 -> 184), rms_norm_bwd with 16 warps per
 # 16384-element tile 1239 -> 1133 us at 65536 x 8192, 91 -> 55 at 4096 x 4096 (add_rms_norm_bwd, which
-# reads one more tensor, not swept: it keeps the sixth sweep's tile)
-_NORM_BWD_SM90 = {"tile_elems": 4096, "elems_per_warp": 1024, "programs_per_sm": 2}
+# reads one more tensor, not swept: it keeps the sixth sweep's tile). Eighth, H100, a decode step's few
+# rows (2026-12-06, CUDA-graph replays, bf16): a backward of 2 to 4 tiles in one program writes dweight
+# itself, no partial sums to add and cast: rms_norm_bwd 8 x 4096 6.82 -> 5.13 us (2 tiles; 4 tiles in
+# one program, 16 x 4096 or 8 x 8192, 7.2 -> 9.2: kept at 2), add_rms_norm_bwd 2 x 4096 5.69 -> 2.96,
+# 4 x 4096 5.70 -> 4.59, 8 x 2048 5.83 -> 4.44 (8 tiles in one program, 8 x 4096: 6.0 -> 7.9: kept at 4)
+_NORM_BWD_SM90 = {"tile_elems": 4096, "elems_per_warp": 1024, "programs_per_sm": 2, "one_program_tiles": 4}
 _ROPE_SM90 = {"tile_elems": 1024, "elems_per_warp": 512, "stream": True}
 
 # tiles chosen in the AOT check (`python -m kpt_triton.aot`, every conformance case), not timed: at
@@ -56,7 +60,7 @@ _ATTENTION_FWD_SM90 = {"tiles": {256: Tiles(32, 32, 4, 2)}, "fp32_tiles": {256: 
 
 SM90: Table = {
     "rms_norm_fwd": _ROW_SM90,
-    "rms_norm_bwd": {"tile_elems": 16384, "elems_per_warp": 1024, "programs_per_sm": 1},
+    "rms_norm_bwd": {"tile_elems": 16384, "elems_per_warp": 1024, "programs_per_sm": 1, "one_program_tiles": 2},
     "add_rms_norm_fwd": _ROW_SM90,
     "add_rms_norm_bwd": _NORM_BWD_SM90,
     "layer_norm_fwd": {"tile_elems": 4096, "elems_per_warp": 512},

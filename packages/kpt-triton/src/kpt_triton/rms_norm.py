@@ -196,14 +196,16 @@ def _forward(x, residual, weight, eps, max_block, tile_elems, elems_per_warp):
     return y, h, rstd
 
 
-def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, programs_per_sm):
+def _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, programs_per_sm, one_program_tiles):
     h2 = rows(h)
     n_rows, d = h2.shape
     dy2 = rows(dy) if dy is not None else torch.zeros_like(h2)
     dh2 = rows(dh) if dh is not None else h2
     dx = dense_like(h)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, rows=n_rows)
-    programs = persistent_programs(cdiv(n_rows, block_r), h.device, programs_per_sm)
+    tiles = cdiv(n_rows, block_r)
+    # a few tiles in one program: it writes the weight's gradient itself, with no partial sums to add
+    programs = 1 if tiles <= one_program_tiles else persistent_programs(tiles, h.device, programs_per_sm)
     part = partial_sums(weight, programs, d, d <= block_d, h)
     if programs:
         _rms_norm_bwd_kernel[(programs,)](
@@ -225,10 +227,14 @@ def rms_norm_fwd(x, weight, eps, *, max_block: int = 16384, tile_elems: int = 20
 
 
 def rms_norm_bwd(x, weight, eps, y, rstd, dy, *, max_block: int = 16384, tile_elems: int = 2048,
-                 elems_per_warp: int = 512, programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                 elems_per_warp: int = 512, programs_per_sm: int = 4,
+                 one_program_tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)``; ``programs_per_sm`` sizes the persistent grid (and the partial
-    ``dweight`` buffer: one float32 row per program)."""
-    return _backward(x, weight, rstd, dy, None, max_block, tile_elems, elems_per_warp, programs_per_sm)
+    ``dweight`` buffer: one float32 row per program, summed and cast after the kernel), except
+    that up to ``one_program_tiles`` tiles of rows run in one program, which writes ``dweight``
+    itself (a decode step's few rows: two kernels fewer)."""
+    return _backward(x, weight, rstd, dy, None, max_block, tile_elems, elems_per_warp, programs_per_sm,
+                     one_program_tiles)
 
 
 def add_rms_norm_fwd(x, residual, weight, eps, *, max_block: int = 16384, tile_elems: int = 2048,
@@ -239,6 +245,8 @@ def add_rms_norm_fwd(x, residual, weight, eps, *, max_block: int = 16384, tile_e
 
 def add_rms_norm_bwd(x, residual, weight, eps, y, h, rstd, dy, dh, *, max_block: int = 16384,
                      tile_elems: int = 2048, elems_per_warp: int = 512,
-                     programs_per_sm: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh_total, dweight)``: ``dh_total`` is the gradient of both ``x`` and ``residual``."""
-    return _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, programs_per_sm)
+                     programs_per_sm: int = 4, one_program_tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh_total, dweight)``: ``dh_total`` is the gradient of both ``x`` and ``residual``; tuning
+    as `rms_norm_bwd`."""
+    return _backward(h, weight, rstd, dy, dh, max_block, tile_elems, elems_per_warp, programs_per_sm,
+                     one_program_tiles)
