@@ -232,13 +232,19 @@ def median_run(group: list[dict[str, Any]]) -> dict[str, Any]:
     return sorted(group, key=lambda r: r["tokens_per_s"])[(len(group) - 1) // 2]
 
 
+def training_groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """The training runs among ``runs`` by architecture, inputs and mode."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("kind") in ("full", "trainer"):
+            groups.setdefault((r["arch"], r["kind"], r["mode"]), []).append(r)
+    return groups
+
+
 def table(folder: Path) -> str:
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     lines = []
-    train = [r for r in runs if r.get("kind") in ("full", "trainer")]
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for r in train:
-        groups.setdefault((r["arch"], r["kind"], r["mode"]), []).append(r)
+    groups = training_groups(runs)
     if groups:
         lines += ["| architecture | inputs | mode | tokens/s | vs transformers + compile | step ms p10 / p50 / p90 "
                   "| host ms p10 / p50 / p90 | peak GiB | final loss | loss dtype |", "|---" * 10 + "|"]
@@ -280,13 +286,12 @@ def plot(folder: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    panels: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
-    for r in runs:
-        if r.get("kind") in ("full", "trainer"):
-            panels.setdefault((r["arch"], r["kind"]), {}).setdefault(r["mode"], []).append(r)
-    if not panels:
+    groups = training_groups([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
+    if not groups:
         raise SystemExit(f"no training run in {folder}")
+    panels: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    for (arch, kind, mode), group in groups.items():
+        panels.setdefault((arch, kind), {})[mode] = group
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
     for ax, ((arch, kind), modes) in zip(axes[0], panels.items()):
         for mode, group in sorted(modes.items(), key=lambda m: MODES.index(m[0]) if m[0] in MODES else len(MODES)):
@@ -296,7 +301,7 @@ def plot(folder: Path, png: Path) -> None:
         ax.set(title=f"{arch} ({kind} inputs)", xlabel="step", yscale="log")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("loss")
-    first = next(iter(next(iter(panels.values())).values()))[0]
+    first = next(iter(groups.values()))[0]
     v = first.get("versions", {})
     fig.suptitle(f"{v.get('device', '')}, torch {v.get('torch', '')}, transformers {v.get('transformers', '')}: "
                  f"batch {first['batch']} x {first['seq']}, bf16, AdamW", fontsize=9)

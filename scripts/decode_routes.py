@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import kpt
+from kpt.bench.peers import libraries
 from kpt.bench.timing import graph_ms, time_ms
 from kpt_cuda import attention as routes
 from kpt_triton import attention as portable
@@ -39,20 +39,13 @@ def kernels(fn: Callable[[], torch.Tensor]) -> list[str]:
 
 def implementations(be: kpt.Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> dict[str, Callable[[], torch.Tensor]]:
-    """The calls compared: kpt's, SDPA with each backend, kpt-triton's split-KV kernel."""
-
-    def sdpa(backend: SDPBackend) -> Callable[[], torch.Tensor]:
-        def call() -> torch.Tensor:
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-        return call
-
-    return {"kpt": lambda: be.attention(q, k, v, causal=True),
-            "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-            "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
-            "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
-            "kpt-triton split-KV": lambda: portable.attention_fwd(q, k, v, True, scale, None)[0]}
+    """The calls compared: kpt's, SDPA with each backend (`kpt bench`'s attention peers), kpt-triton's
+    split-KV kernel."""
+    calls: dict[str, Callable[[], torch.Tensor]] = {"kpt": lambda: be.attention(q, k, v, causal=True)}
+    for name, peer in libraries("attention")[0].items():
+        calls[name] = lambda peer=peer: peer(q, k, v, True, scale)
+    calls["kpt-triton split-KV"] = lambda: portable.attention_fwd(q, k, v, True, scale, None)[0]
+    return calls
 
 
 def main() -> None:
