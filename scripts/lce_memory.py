@@ -7,7 +7,8 @@ Forward and backward in bfloat16 at ``--shape`` N,K,V (default N=8192, K=4096, V
 backend's call as a model makes it, eager ``F.linear`` then ``F.cross_entropy``, the same under
 ``torch.compile``, Liger-Kernel's fused loss where it is installed, and, for each of
 ``--chunk-rows``, kpt-triton's fused body with chunks of that many
-rows (otherwise `kpt_triton.cross_entropy.chunk_rows` picks them). A chunk's gradient of the weight is
+rows (otherwise `kpt_triton.cross_entropy.chunk_rows` picks them, at most the room of the
+gradients). A chunk's gradient of the weight is
 added into the V x K gradient in place, which reads and writes it once a chunk: (N / rows) x 4VK
 bytes a step, against the chunk's three products, so fewer rows cost time and more rows memory.
 Peak memory is what the step allocates beyond its inputs (torch.cuda.max_memory_allocated after a
@@ -91,7 +92,8 @@ def main() -> None:
         for rows in (int(r) for r in opts.chunk_rows.split(",")):
             steps[f"kpt-triton, {rows} rows a chunk"] = (
                 lambda rows=rows: linear_cross_entropy_fwd(hidden.detach(), weight.detach(), target, None, -100,
-                                                           "mean", True, chunk_elems=rows * v)[:3], rows)
+                                                           "mean", True, chunk_elems=rows * v,
+                                                           gradient_share=float("inf"))[:3], rows)
     results = {}
     for name, (step, rows) in steps.items():
         peak, ms = results[name] = _measure(step, dev)

@@ -198,6 +198,19 @@ def _allocator(monkeypatch, allocated, reserved):
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
 
 
+def test_chunks_take_no_more_room_than_the_gradients():
+    """A chunk's logits take at most the room of the gradients the loss returns ([n, k] and
+    [v, k]), so its peak above the inputs stays within twice those (any fused loss allocates them)."""
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    assert k.chunk_rows(16384, 768, 151936, bf16, 1 << 28) == 768  # Qwen3's head: 851 rows, cut to tiles
+    assert k.chunk_rows(16384, 768, 151936, bf16, 1 << 28, gradient_share=float("inf")) == 1664  # 2^28 logits
+    assert k.chunk_rows(16384, 768, 32000, bf16, 1 << 28) == 1152  # a 125M Llama's head: 1161 rows
+    assert k.chunk_rows(8192, 4096, 128256, bf16, 1 << 28) == 2048  # Llama 3's: 2^28 logits are less
+    assert k.chunk_rows(1000, 8, 50000, bf16, 1 << 28) == 128  # never fewer than one tile of rows
+    for n, hidden, v in ((16384, 768, 151936), (16384, 768, 32000), (8192, 4096, 128256), (4096, 2048, 256000)):
+        assert k.chunk_rows(n, hidden, v, bf16, 1 << 28) * v <= (n + v) * hidden
+
+
 @pytest.mark.parametrize("capturing", [False, True])
 def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
     v, gib = 128256, 2**30
@@ -213,23 +226,23 @@ def test_chunks_fit_in_a_quarter_of_the_free_memory(monkeypatch, capturing):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     bf16, f32 = _GpuTensor(torch.bfloat16), _GpuTensor(torch.float32)
     # the tuning's 2^28 logits: 2093 rows, cut to whole tiles of 128
-    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048
-    assert k.chunk_rows(300, v, bf16, 1 << 28) == 256  # no more rows than there are
+    assert k.chunk_rows(8192, 4096, v, bf16, 1 << 28) == 2048
+    assert k.chunk_rows(300, 4096, v, bf16, 1 << 28) == 256  # no more rows than there are
     # the driver is asked once, not at every loss (where memory is plenty)
     assert free["asked"] == (0 if capturing else 1)
     free["driver"] = 1 * gib  # taken by another process: not seen until memory looks short
-    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048
+    assert k.chunk_rows(8192, 4096, v, bf16, 1 << 28) == 2048
     k._HOLDABLE.clear()  # as in a new process: 2 bytes a logit, 2048 rows take 0.49 GiB > 1 GiB / 4
-    assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 1024)
-    assert k.chunk_rows(8192, v, f32, 1 << 28) == (2048 if capturing else 512)  # 4 bytes a logit
+    assert k.chunk_rows(8192, 4096, v, bf16, 1 << 28) == (2048 if capturing else 1024)
+    assert k.chunk_rows(8192, 4096, v, f32, 1 << 28) == (2048 if capturing else 512)  # 4 bytes a logit
     free["cached"] = 1 * gib  # memory torch's allocator holds unused counts as free
-    assert k.chunk_rows(8192, v, f32, 1 << 28) == (2048 if capturing else 1024)
+    assert k.chunk_rows(8192, 4096, v, f32, 1 << 28) == (2048 if capturing else 1024)
     free["driver"], free["cached"] = 10 * 2**20, 0  # 10 MiB: a few rows, whatever it costs in time
     k._HOLDABLE.clear()
-    assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 8)
+    assert k.chunk_rows(8192, 4096, v, bf16, 1 << 28) == (2048 if capturing else 8)
     free["driver"] = 0
     k._HOLDABLE.clear()
-    assert k.chunk_rows(8192, v, bf16, 1 << 28) == (2048 if capturing else 1)
+    assert k.chunk_rows(8192, 4096, v, bf16, 1 << 28) == (2048 if capturing else 1)
 
 
 def test_chunks_shrink_when_torch_holds_more_since_the_driver_was_asked(monkeypatch):
@@ -247,7 +260,7 @@ def test_chunks_shrink_when_torch_holds_more_since_the_driver_was_asked(monkeypa
     _allocator(monkeypatch, lambda: state["allocated"], lambda: gib)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     bf16 = _GpuTensor(torch.bfloat16)
-    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 2048  # 3 GiB free: 2048 rows (0.49 GiB) fit 4 times
+    assert k.chunk_rows(8192, 4096, v, bf16, 1 << 28) == 2048  # 3 GiB free: 2048 rows (0.49 GiB) fit 4 times
     state["allocated"] = 5 * gib // 2  # torch took 1.5 GiB more: 1.5 GiB free, 1024 rows fit 4 times
-    assert k.chunk_rows(8192, v, bf16, 1 << 28) == 1024
+    assert k.chunk_rows(8192, 4096, v, bf16, 1 << 28) == 1024
     assert state["asked"] == 2  # asked again before cutting

@@ -353,20 +353,27 @@ def _free_bytes(device: Any, ask: bool) -> int:
     return _HOLDABLE[device] - _allocator_bytes(device, "allocated")
 
 
-def chunk_rows(n: int, v: int, hidden: torch.Tensor, chunk_elems: int) -> int:
+def chunk_rows(n: int, k: int, v: int, hidden: torch.Tensor, chunk_elems: int, gradient_share: float = 1.0) -> int:
     """How many rows of the ``[n, v]`` logits one chunk of ``linear_cross_entropy`` holds.
 
     The chunk's one buffer is its logits in hidden's dtype, which the gradient overwrites: 2 or 4
-    bytes a logit. The tuning's ``chunk_elems // v`` rows (2^28 logits: 2,048 rows of Llama 3's
-    128,256 vocabulary, 0.49 GiB in bfloat16) are halved, on a CUDA or ROCm device, until the buffer
-    fits in a quarter of the free memory (`_free_bytes`: the driver's free memory and what torch's
-    allocator holds unused, the driver asked again where that looks short; not while a CUDA graph is
-    captured); halving keeps the plans few, so a loss's rounding
-    changes only where memory runs short. Then at least 1 row and at most ``n``, in whole multiples
-    of 128 rows above 128 (the chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads
-    and writes the ``[v, k]`` weight gradient once (`scripts/lce_memory.py` measures both)."""
+    bytes a logit. It takes the tuning's ``chunk_elems // v`` rows (2^28 logits: 2,048 rows of Llama
+    3's 128,256 vocabulary, 0.49 GiB in bfloat16), or fewer: at most ``gradient_share`` times the
+    room of the gradients the loss returns, ``[n, k]`` and ``[v, k]``, which every fused loss
+    allocates (``(n + v) · k / v`` rows, 128 at least: 851 of Qwen3's 151,936 words at hidden 768
+    and 16,384 rows). So the loss's peak above its inputs is at most ``1 + gradient_share`` times
+    those gradients. The rows are halved, on a CUDA or ROCm device, until the buffer fits in a
+    quarter of the free memory (`_free_bytes`: the driver's free memory and what torch's allocator
+    holds unused, the driver asked again where that looks short; not while a CUDA graph is
+    captured); halving keeps the plans few, so a loss's rounding changes only where memory runs
+    short. Then at least 1 row and at most ``n``, in whole multiples of 128 rows above 128 (the
+    chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads and writes the ``[v, k]``
+    weight gradient once (`scripts/lce_memory.py` measures both)."""
     per_row = v * hidden.element_size()
     step = max(1, chunk_elems // max(v, 1))
+    gradients = gradient_share * (n + v) * k / max(v, 1)  # rows in the gradients' room
+    if gradients < step:
+        step = min(step, max(128, int(gradients)))
     if hidden.is_cuda and per_row and not torch.cuda.is_current_stream_capturing():
         free = _free_bytes(hidden.device, ask=False)
         if step * per_row * FREE_MEMORY_SHARE > free:  # short, or short since the driver was asked
@@ -377,13 +384,13 @@ def chunk_rows(n: int, v: int, hidden: torch.Tensor, chunk_elems: int) -> int:
     return step - step % 128 if step > 128 else max(step, 1)
 
 
-def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, chunk_elems, block_v,
-             elems_per_warp, programs_per_sm):
+def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, chunk_elems, gradient_share,
+             block_v, elems_per_warp, programs_per_sm):
     """One pass over chunks of rows of the logits (`chunk_rows`): writes ``lse`` and ``losses`` when
     ``losses`` is given (else reads ``lse``), and with ``grad`` returns ``(dhidden, dweight, dbias)``."""
     n, k = hidden.shape
     v = weight.shape[0]
-    step = chunk_rows(n, v, hidden, chunk_elems)
+    step = chunk_rows(n, k, v, hidden, chunk_elems, gradient_share)
     z_buf = torch.empty(step, v, dtype=hidden.dtype, device=hidden.device)  # the gradient overwrites it
     if grad is not None:
         dhidden = torch.empty(n, k, dtype=hidden.dtype, device=hidden.device)
@@ -414,10 +421,11 @@ def _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, *, c
 
 def linear_cross_entropy_fwd(
     hidden, weight, target, bias, ignore_index, reduction, needs_grad, *, chunk_elems: int = 1 << 28,
-    block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
+    gradient_share: float = 1.0, block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk at most (the
-    only ``[rows, V]`` buffers held; `chunk_rows`), ``block_v`` / ``elems_per_warp`` as for
+    """``(loss, dhidden, dweight, dbias, lse)``. Tuning: ``chunk_elems`` logits per chunk at most, and
+    at most ``gradient_share`` times the room of the gradients (the only ``[rows, V]`` buffers held;
+    `chunk_rows`), ``block_v`` / ``elems_per_warp`` as for
     `cross_entropy_fwd`."""
     n = hidden.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -425,14 +433,16 @@ def linear_cross_entropy_fwd(
     fused = needs_grad and reduction != "none"
     grad = unit_grad(target, ignore_index, reduction) if fused else None
     grads = _chunked(hidden, weight, target, bias, ignore_index, lse, losses, grad, chunk_elems=chunk_elems,
-                     block_v=block_v, elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)
+                     gradient_share=gradient_share, block_v=block_v, elems_per_warp=elems_per_warp,
+                     programs_per_sm=programs_per_sm)
     return (reduce_losses(losses, target, ignore_index, reduction, torch.float32),
             *(grads if grads is not None else (hidden.new_empty(0) for _ in range(3))), lse)
 
 
 def linear_cross_entropy_bwd(
     hidden, weight, target, bias, ignore_index, reduction, needs_grad, loss, dhidden, dweight, dbias, lse,
-    dloss, *, chunk_elems: int = 1 << 28, block_v: int = 8192, elems_per_warp: int = 512, programs_per_sm: int = 4,
+    dloss, *, chunk_elems: int = 1 << 28, gradient_share: float = 1.0, block_v: int = 8192, elems_per_warp: int = 512,
+    programs_per_sm: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dhidden, dweight, dbias)``: the forward's gradients scaled in place by ``dloss`` when it
     made them, else recomputed chunk by chunk from the saved ``lse``."""
@@ -440,4 +450,5 @@ def linear_cross_entropy_bwd(
         return tuple(scale_rows_(t, dloss) for t in (dhidden, dweight, dbias))
     return _chunked(hidden, weight, target, bias, ignore_index, lse, None,
                     _row_grad(dloss, target, ignore_index, reduction), chunk_elems=chunk_elems,
-                    block_v=block_v, elems_per_warp=elems_per_warp, programs_per_sm=programs_per_sm)
+                    gradient_share=gradient_share, block_v=block_v, elems_per_warp=elems_per_warp,
+                    programs_per_sm=programs_per_sm)
