@@ -12,7 +12,7 @@ import triton.language as tl
 
 from conftest import device
 from kpt.testing import poisoned
-from kpt_triton.launch import _specialize, cached_launch
+from kpt_triton.launch import MAX_BINDERS, _binder, cached_launch
 
 pytestmark = pytest.mark.interpreter  # launches Triton kernels (interpreted on a CPU machine)
 
@@ -59,20 +59,35 @@ def test_every_specialization_computes_its_own_result(dtype: torch.dtype) -> Non
 
 
 def test_keys_tell_apart_what_triton_specializes_on() -> None:
-    def key(arg: object) -> object:
-        specialized = _specialize((arg,))
-        return None if specialized is None else tuple(specialized[0])
+    kernel = cached_launch(_Jit())
+
+    def key(*args: object) -> object:
+        bound = kernel._bind(args)
+        return None if bound is None else bound[:2]  # the binder (the arguments' kinds) and its key
 
     t = torch.zeros(64)
     assert key(t) != key(t[1:])  # 16-byte alignment
     assert key(t) != key(t.half())  # dtype
     assert key(t) != key(t.to("meta"))  # host memory or not
+    assert key(t) == key(torch.ones(64)) and key(t) == key(torch.nn.Parameter(t))  # a subclass keys alike
     # 1, a multiple of 16, and the width (int32, int64, uint64) each change the compiled kernel
     assert key(1) != key(17) and key(16) != key(17) and key(16) == key(32) and key(2) == key(17)
     assert len({key((1 << 31) - 16), key(1 << 31), key(1 << 63)}) == 3
     assert len({key(True), key(2.0), key(None), key(2)}) == 4
-    assert key((1, 2)) is None and key("a") is None
-    assert _specialize((t, 3))[1] == [t.data_ptr(), 3]  # tensors go to the launcher as addresses
+    assert key((1, 2)) is None and key("a") is None and key(t, "a") is None
+    assert key(t, 3) != key(t, 3, 3) and key(t, 3) != key(t, None)
+    assert kernel._bind((t, 3))[2] == (t.data_ptr(), 3)  # tensors go to the launcher as addresses
+
+
+def test_a_kernel_keeps_its_latest_binders() -> None:
+    kernel = cached_launch(_Jit())
+    t = torch.zeros(8)
+    kinds = [(t,), (1,), (1 << 40,), (True,), (2.0,), (None,), (t, t), (t, 1), (t, None), (1, 1)]
+    for args in kinds:
+        assert kernel._bind(args)[0] is kernel._binders[0]
+    assert len(kernel._binders) == MAX_BINDERS
+    assert kernel._bind((t, None))[0] is kernel._binders[1]  # still kept: found, not made again
+    assert _binder((t, 2))((t, 1 << 40)) is None and _binder(())(()) == ((), ())
 
 
 @pytest.mark.gpu
