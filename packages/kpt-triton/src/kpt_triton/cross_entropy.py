@@ -370,10 +370,8 @@ def chunk_rows(n: int, k: int, v: int, hidden: torch.Tensor, chunk_elems: int, g
     chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads and writes the ``[v, k]``
     weight gradient once (`scripts/lce_memory.py` measures both)."""
     per_row = v * hidden.element_size()
-    step = max(1, chunk_elems // max(v, 1))
-    gradients = gradient_share * (n + v) * k / max(v, 1)  # rows in the gradients' room
-    if gradients < step:
-        step = min(step, max(128, int(gradients)))
+    # the tuning's rows, at most those in the gradients' room (128 at least)
+    step = int(min(max(1, chunk_elems // max(v, 1)), max(128, gradient_share * (n + v) * k / max(v, 1))))
     if hidden.is_cuda and per_row and not torch.cuda.is_current_stream_capturing():
         free = _free_bytes(hidden.device, ask=False)
         if step * per_row * FREE_MEMORY_SHARE > free:  # short, or short since the driver was asked

@@ -30,6 +30,7 @@ against 55 µs; moe_combine 132–137 against 89 µs; ``benchmarks/h100-2026-11-
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,10 +68,15 @@ def _binder(args: tuple[Any, ...]) -> Binder | None:
     multiple of 16 and whether it needs uint64; nothing for a bool, a float or None (their kind is
     the binder's own). The function is generated with the arguments unrolled, as Triton generates
     its own binder: a loop over them took 2.5 µs a launch of rms_norm's 13 arguments on a CPU where
-    this takes 1.4."""
-    kinds = [_kind(arg) for arg in args]
-    if None in kinds:
-        return None
+    this takes 1.4. One function serves every kernel launched with the same kinds of arguments, so
+    a kernel's cache keys (which hold it) stay the same when it makes a binder again."""
+    kinds = tuple(_kind(arg) for arg in args)
+    return None if None in kinds else _generated(kinds)
+
+
+@functools.cache
+def _generated(kinds: tuple[Any, ...]) -> Binder:
+    """`_binder`'s function for arguments of these kinds."""
     guards, lines, key, values = [], [], [], []
     for i, kind in enumerate(kinds):
         a = f"a{i}"
@@ -92,19 +98,19 @@ def _binder(args: tuple[Any, ...]) -> Binder | None:
             values.append(a)
     source = "\n    ".join([
         "def bind(args):",
-        f"if len(args) != {len(args)}:", "    return None",
-        f"{''.join(f'a{i}, ' for i in range(len(args)))}= args" if args else "pass",
+        f"if len(args) != {len(kinds)}:", "    return None",
+        f"{''.join(f'a{i}, ' for i in range(len(kinds)))}= args" if kinds else "pass",
         f"if not ({' and '.join(guards) or 'True'}):", "    return None",
         *lines,
         f"return ({''.join(k + ', ' for k in key)}), ({''.join(v + ', ' for v in values)})",
     ]) + "\n"
     scope: dict[str, Any] = {"Tensor": torch.Tensor}
-    exec(compile(source, f"<kpt_triton.launch binder of {len(args)} arguments>", "exec"), scope)  # noqa: S102
+    exec(compile(source, f"<kpt_triton.launch binder of {len(kinds)} arguments>", "exec"), scope)  # noqa: S102
     return scope["bind"]
 
 
 MAX_BINDERS = 8
-"""Binders a kernel keeps (most recent first): the kinds of arguments it is launched with (a
+"""Binders a kernel tries first (most recent first): the kinds of arguments it is launched with (a
 residual or none, a weight or none)."""
 
 
