@@ -46,7 +46,7 @@ def test_backward_takes_the_rows_the_forward_takes(monkeypatch):
     assert calls == [((4, 64), 1), ((4, 65, 3), 1), ((4, 72), 1), ((4, 72), 1)] and not launched
     dy = torch.empty(4, 80, dtype=torch.bfloat16)[:, :72]  # rows 160 bytes apart: aligned like y's
     native.softmax_bwd(x, 1, x, dy, max_block=64)
-    assert len(calls) == 4 and launched == [(0, 1)]
+    assert len(calls) == 4 and launched == [(0, 1, 0)]
     monkeypatch.setattr(native, "BACKWARD_MIN_WIDTH", 73)
     native.softmax_bwd(x, 1, x, dy, max_block=64)
     assert len(calls) == 5 and len(launched) == 1
@@ -64,6 +64,9 @@ gpu = pytest.mark.skipif(not native.available(), reason="needs CuPy and a CUDA G
     ((140, 128256), 0, torch.bfloat16, 3.0),
     ((140, 151937), 0, torch.float16, 3.0),
     ((9, 40000), 4, torch.float32, 3.0),
+    ((140, 256000), 0, torch.bfloat16, 3.0),  # Gemma: 12 vectors a thread off chip
+    ((133, 256003), 8, torch.bfloat16, 30.0),  # off chip, with a head and a tail
+    ((9, 140000), 4, torch.float32, 3.0),
 ])
 def test_matches_float64(monkeypatch, shape, pad, dtype, scale):
     monkeypatch.setattr(onchip, "MIN_ROWS_PER_SM", 0)
@@ -90,7 +93,7 @@ def test_matches_float64(monkeypatch, shape, pad, dtype, scale):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("v", [40000, 40003])
+@pytest.mark.parametrize("v", [40000, 40003, 256003])
 def test_special_values_as_the_reference(monkeypatch, dtype, v):
     """NaN, ±inf and ±max: the same NaN and inf positions as the float64 reference of the contract,
     finite values close."""

@@ -2,7 +2,10 @@
 // gradient (the softmax minus the target's one-hot), and the softmax's backward.
 //
 // A row of 128K bf16 logits (256 KB) is too big for one multiprocessor's shared memory
-// (227 KB) but not for its shared memory and registers together. Each block (one per
+// (227 KB) but not for its shared memory and registers together. A wider row (Gemma's 256000
+// words) keeps SPILL_VECS vectors a thread off chip: pass A reads them after the rest, pass B
+// reads them again first, from L2 (they were read last), so a row costs one read, one write and
+// a re-read of its spilled part from L2 instead of two reads. Each block (one per
 // multiprocessor, THREADS threads) owns one row at a time: thread `tid` holds the 16-byte
 // vectors `k * THREADS + tid` of the row, the first REG_VECS of them in registers and the next
 // SMEM_VECS in its own slots of shared memory (so no thread ever reads another's slots, and the
@@ -257,7 +260,7 @@ __device__ __forceinline__ float grad_of(float z, bool is_target, bool kept, flo
 
 // z: [n, v] logits, rows stride_zn elements apart; dz: [n, v] contiguous, the softmax or (LOSS) the
 // gradient; target, grad and loss are read and written only with LOSS.
-template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, bool SMOOTHING, bool LOSS, bool EDGES>
+template <int KIND, int THREADS, int REG_VECS, int SMEM_VECS, int SPILL_VECS, bool SMOOTHING, bool LOSS, bool EDGES>
 __global__ void __launch_bounds__(THREADS, 1)
 row_onchip(const void* __restrict__ z, const long long* __restrict__ target, const float* __restrict__ grad,
            float* __restrict__ loss, void* __restrict__ dz, long long n, long long stride_zn,
@@ -292,6 +295,16 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
             if (k * THREADS + tid < span.nvec) {
                 float f[EL];
                 E::unpack(k < REG_VECS ? reg[k] : slots[(k - REG_VECS) * THREADS + tid], f);
+                fold<SMOOTHING>(f, m, s, zsum);
+            }
+        }
+        const uint4* row_vectors = span.vectors(z);
+#pragma unroll
+        for (int k = VECS; k < VECS + SPILL_VECS; ++k) {  // the part off chip, read from memory
+            const int j = k * THREADS + tid;
+            if (j < span.nvec) {
+                float f[EL];
+                E::unpack(row_vectors[j], f);
                 fold<SMOOTHING>(f, m, s, zsum);
             }
         }
@@ -330,6 +343,19 @@ row_onchip(const void* __restrict__ z, const long long* __restrict__ target, con
         const uint4* next_vectors = after.vectors(z);
         const long long dz_offset = row * v;
         uint4* dz_vectors = Span<EL, EDGES>::at(dz_offset, v).vectors(dz);
+#pragma unroll
+        for (int p = 0; p < SPILL_VECS; ++p) {  // the part off chip first, last read: from L2
+            const int k = VECS + SPILL_VECS - 1 - p;
+            const int j = k * THREADS + tid;
+            if (j < span.nvec) {
+                float f[EL];
+                E::unpack(load_streaming(row_vectors + j), f);
+                const long long col = span.head + static_cast<long long>(j) * EL;
+#pragma unroll
+                for (int i = 0; i < EL; ++i) f[i] = grad_of(f[i], col + i == t, kept, top, ls, g, off, hit);
+                store_streaming(dz_vectors + j, E::pack(f));
+            }
+        }
 #pragma unroll
         for (int k = 0; k < VECS; ++k) {
             const int j = k * THREADS + tid;

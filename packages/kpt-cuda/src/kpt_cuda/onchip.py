@@ -11,8 +11,9 @@ holds a row of the softmax's output and reads its gradient past it twice.
 It runs where CuPy is installed and a CUDA GPU is present (`available`), on rows of 16- or 32-bit
 floats that `onchip_split` accepts: contiguous columns, a 16-byte aligned base, a row stride equal
 to the width modulo a 16-byte vector (the output is contiguous, and its rows must start where the
-input's do modulo a vector), and small enough to fit on chip. Rows whose width is not a whole
-number of vectors (GPT-2's 50257) are read as a head, whole vectors and a tail. Which calls go
+input's do modulo a vector), and small enough to fit on chip (`launch`, with ``spill``: up to twice
+that, the rest read again from L2). Rows whose width is not a whole number of vectors (GPT-2's
+50257) are read as a head, whole vectors and a tail. Which calls go
 here is each kernel's choice (`kpt_cuda.softmax`, `kpt_cuda.cross_entropy`).
 """
 
@@ -45,11 +46,13 @@ def available() -> bool:
     return device.cupy_version() is not None
 
 
-def onchip_split(rows: torch.Tensor, smem_bytes: int, *alike: torch.Tensor) -> tuple[int, int] | None:
-    """``(register vectors, shared-memory vectors)`` per thread when a row of the 2-D ``rows`` fits
-    on chip with ``smem_bytes`` of shared memory per block and the kernel can read it, and the
-    tensors ``alike`` that it reads beside it have its shape and dtype and can be read alike; else
-    None."""
+def onchip_split(rows: torch.Tensor, smem_bytes: int, *alike: torch.Tensor,
+                 spill: bool = False) -> tuple[int, int, int] | None:
+    """``(register vectors, shared-memory vectors, spilled vectors)`` per thread when a row of the
+    2-D ``rows`` fits on chip with ``smem_bytes`` of shared memory per block and the kernel can read
+    it, and the tensors ``alike`` that it reads beside it have its shape and dtype and can be read
+    alike; else None. With ``spill`` (the forward kernel, `launch`), a row up to twice what fits
+    keeps the rest off chip, read a second time from L2 (`SPILL_VECS` in ``onchip.cu``)."""
     if rows.dtype not in _KIND or rows.dim() != 2 or 0 in rows.shape:
         return None
     per_vec = 16 // rows.element_size()
@@ -62,7 +65,10 @@ def onchip_split(rows: torch.Tensor, smem_bytes: int, *alike: torch.Tensor) -> t
     vecs = -(-(v // per_vec) // THREADS)  # whole vectors of a row, at most v // per_vec
     smem_vecs = min(vecs, (smem_bytes - _SCRATCH_BYTES) // (16 * THREADS))
     reg_vecs = vecs - smem_vecs
-    return (reg_vecs, smem_vecs) if reg_vecs <= MAX_REG_VECS else None
+    if reg_vecs <= MAX_REG_VECS:
+        return reg_vecs, smem_vecs, 0
+    spilled = reg_vecs - MAX_REG_VECS
+    return (MAX_REG_VECS, smem_vecs, spilled) if spill and spilled <= MAX_REG_VECS + smem_vecs else None
 
 
 MIN_ROWS_PER_SM = 1
@@ -72,16 +78,17 @@ rows leave multiprocessors idle, where the portable kernels cut each row into sp
 `benchmarks/h100-2026-11-27.md`)."""
 
 
-def split_for(rows: torch.Tensor, min_width: int, *alike: torch.Tensor) -> tuple[int, int] | None:
-    """`onchip_split` of ``rows`` (and ``alike``) on its device, for a call with at least
-    ``min_width`` columns and `MIN_ROWS_PER_SM` rows per multiprocessor; else None."""
+def split_for(rows: torch.Tensor, min_width: int, *alike: torch.Tensor,
+              spill: bool = False) -> tuple[int, int, int] | None:
+    """`onchip_split` of ``rows`` (and ``alike``, with ``spill``) on its device, for a call with at
+    least ``min_width`` columns and `MIN_ROWS_PER_SM` rows per multiprocessor; else None."""
     if not rows.is_cuda or rows.dim() != 2 or rows.shape[1] < min_width:
         return None
     props = torch.cuda.get_device_properties(rows.device)
     if rows.shape[0] < MIN_ROWS_PER_SM * props.multi_processor_count:
         return None
     # torch's stubs lack this property of CUDA builds (torch.cuda reads it too)
-    return onchip_split(rows, props.shared_memory_per_block_optin, *alike)  # type: ignore[attr-defined]
+    return onchip_split(rows, props.shared_memory_per_block_optin, *alike, spill=spill)  # type: ignore[attr-defined]
 
 
 @functools.cache
@@ -96,8 +103,8 @@ def _kernel(name: str, smem_vecs: int, device_index: int) -> Any:
     return kernel
 
 
-def _instance(kernel: str, rows: torch.Tensor, split: tuple[int, int], *flags: bool) -> Any:
-    """``kernel`` compiled for ``rows`` (2-D) held with ``split``; rows of whole 16-byte vectors
+def _instance(kernel: str, rows: torch.Tensor, split: tuple[int, ...], *flags: bool) -> Any:
+    """``kernel`` compiled for ``rows`` (2-D) held with ``split`` (its template's counts); rows of whole 16-byte vectors
     compile without the head-and-tail code (5-10% faster at 32K columns)."""
     n, v = rows.shape
     per_vec = 16 // rows.element_size()
@@ -106,7 +113,7 @@ def _instance(kernel: str, rows: torch.Tensor, split: tuple[int, int], *flags: b
     return _kernel(f"{kernel}<{args}>", split[1], rows.device.index)  # a CUDA tensor's device names its index
 
 
-def _run(kernel: Any, rows: torch.Tensor, split: tuple[int, int], *args: Any) -> None:
+def _run(kernel: Any, rows: torch.Tensor, split: tuple[int, ...], *args: Any) -> None:
     """Launch ``kernel`` on the current stream: one block of `THREADS` per row, at most one per
     multiprocessor."""
     # CuPy and the numpy it depends on are optional: imported only where the kernel runs
@@ -122,7 +129,7 @@ def _run(kernel: Any, rows: torch.Tensor, split: tuple[int, int], *args: Any) ->
                shared_mem=split[1] * THREADS * 16)
 
 
-def launch(rows: torch.Tensor, out: torch.Tensor, split: tuple[int, int], *, target: torch.Tensor | None = None,
+def launch(rows: torch.Tensor, out: torch.Tensor, split: tuple[int, int, int], *, target: torch.Tensor | None = None,
            grad: torch.Tensor | None = None, losses: torch.Tensor | None = None, ignore_index: int = -100,
            label_smoothing: float = 0.0) -> None:
     """Write the softmax of each row of ``rows`` (2-D, accepted by `onchip_split` with ``split``)
@@ -138,12 +145,14 @@ def launch(rows: torch.Tensor, out: torch.Tensor, split: tuple[int, int], *, tar
          np.int64(rows.stride(0)), np.int64(ignore_index), np.int32(v), np.float32(label_smoothing))
 
 
-def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, split: tuple[int, int]) -> None:
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, split: tuple[int, int, int]) -> None:
     """Write ``y * (dy - sum(y * dy))`` of each row into the contiguous ``dx``: the softmax's input
     gradient, from its output ``y`` and output gradient ``dy`` (2-D, accepted by `split_for` with
     ``split``)."""
     import numpy as np
 
     n, v = y.shape
-    _run(_instance("softmax_bwd_onchip", y, split), y, split, np.uint64(y.data_ptr()), np.uint64(dy.data_ptr()),
+    if split[2]:
+        raise ValueError(f"softmax_backward holds a whole row on chip: {split[2]} vectors a thread spilled")
+    _run(_instance("softmax_bwd_onchip", y, split[:2]), y, split, np.uint64(y.data_ptr()), np.uint64(dy.data_ptr()),
          np.uint64(dx.data_ptr()), np.int64(n), np.int64(y.stride(0)), np.int64(dy.stride(0)), np.int32(v))
