@@ -59,6 +59,25 @@ def test_rows_past_max_block_take_chunks(dtype):
     _check(x[:, :30], 1, dtype, max_block=32, chunk=8, tile_elems=32)
 
 
+def test_backward_tiles_by_block_width(dtype, monkeypatch):
+    """``tile_elems_at`` gives rows of one block width their own tile: four 16-wide rows a program
+    here, where ``tile_elems`` alone gives one; rows of other widths keep ``tile_elems``."""
+    tiles = []
+
+    def spy(d, **kw):
+        tiles.append(tiling.row_tiling(d, **kw))
+        return tiles[-1]
+
+    monkeypatch.setattr(k, "row_tiling", spy)
+    g = torch.Generator().manual_seed(6)
+    for width, expected in ((16, (4, 16)), (30, (1, 32))):
+        tiles.clear()
+        x = randn(g, 9, width, dtype=dtype, scale=3.0)
+        check_kernel("softmax", k.softmax_fwd, lambda *a: k.softmax_bwd(*a, max_block=32, tile_elems=16,
+                                                                tile_elems_at=((16, 64),)), {"x": x, "dim": 1}, dtype)
+        assert tiles and tiles[-1] == expected
+
+
 @pytest.mark.parametrize("block", [16, 64], ids=["chunked", "whole"])
 def test_extreme_forward(dtype, block):
     # magnitudes of 1e4 overflow a softmax that does not subtract the maximum. Forward only: with

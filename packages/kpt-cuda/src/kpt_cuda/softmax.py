@@ -56,7 +56,8 @@ columns, the portable kernel's second reads find y and dy in L2 (`benchmarks/h10
 
 
 def softmax_bwd(x: torch.Tensor, dim: int, y: torch.Tensor, dy: torch.Tensor, *, max_block: int = 16384,
-                chunk: int = 16384, tile_elems: int = 2048, elems_per_warp: int = 512) -> tuple[torch.Tensor]:
+                chunk: int = 16384, tile_elems: int = 2048, elems_per_warp: int = 512,
+                tile_elems_at: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor]:
     """``(dx,)`` like the portable `kpt_triton.softmax.softmax_bwd`, whose tuning keywords it passes
     on when it hands a call over."""
     y_rows, dy_rows = _rows(y, dim, max_block), _rows(dy, dim, max_block)
@@ -64,7 +65,7 @@ def softmax_bwd(x: torch.Tensor, dim: int, y: torch.Tensor, dy: torch.Tensor, *,
         onchip.split_for(y_rows, max(max_block + 1, BACKWARD_MIN_WIDTH), dy_rows)
     if y_rows is None or dy_rows is None or split is None:
         return portable.softmax_bwd(x, dim, y, dy, max_block=max_block, chunk=chunk, tile_elems=tile_elems,
-                                    elems_per_warp=elems_per_warp)
+                                    elems_per_warp=elems_per_warp, tile_elems_at=tile_elems_at)
     dx = torch.empty(y_rows.shape, dtype=x.dtype, device=x.device)
     onchip.softmax_backward(y_rows, dy_rows, dx, split)
     return (dx.view(x.shape),)
