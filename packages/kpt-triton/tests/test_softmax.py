@@ -60,8 +60,9 @@ def test_rows_past_max_block_take_chunks(dtype):
 
 
 def test_backward_tiles_by_block_width(dtype, monkeypatch):
-    """``tile_elems_at`` gives rows of one block width their own tile: four 16-wide rows a program
-    here, where ``tile_elems`` alone gives one; rows of other widths keep ``tile_elems``."""
+    """``tile_elems_at`` gives rows of one width their own tile: four 16-wide rows a program here,
+    where ``tile_elems`` alone gives one; rows of other widths keep ``tile_elems``, those in blocks of
+    the same width (12) among them."""
     tiles = []
 
     def spy(d, **kw):
@@ -70,7 +71,7 @@ def test_backward_tiles_by_block_width(dtype, monkeypatch):
 
     monkeypatch.setattr(k, "row_tiling", spy)
     g = torch.Generator().manual_seed(6)
-    for width, expected in ((16, (4, 16)), (30, (1, 32))):
+    for width, expected in ((16, (4, 16)), (12, (1, 16)), (30, (1, 32))):
         tiles.clear()
         x = randn(g, 9, width, dtype=dtype, scale=3.0)
         check_kernel("softmax", k.softmax_fwd, lambda *a: k.softmax_bwd(*a, max_block=32, tile_elems=16,

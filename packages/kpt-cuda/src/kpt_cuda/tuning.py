@@ -49,10 +49,12 @@ _POINTWISE_SM90 = {"block": 8192, "elems_per_warp": 512}
 # itself, no partial sums to add and cast: rms_norm_bwd 8 x 4096 6.82 -> 5.13 us (2 tiles; 4 tiles in
 # one program, 16 x 4096 or 8 x 8192, 7.2 -> 9.2: kept at 2), add_rms_norm_bwd 2 x 4096 5.69 -> 2.96,
 # 4 x 4096 5.70 -> 4.59, 8 x 2048 5.83 -> 4.44 (8 tiles in one program, 8 x 4096: 6.0 -> 7.9: kept at 4).
-# Ninth, H100, softmax_bwd at eight model-sweep shapes (2026-12-06): rows read in blocks of 8192 run
-# two a program (tile_elems_at), 8192 x 8192 0.1558 -> 0.1388 ms, 2048 x 8192 0.0468 -> 0.0419; a
-# 16384 tile at every width was slower elsewhere (65536 x 1024: 0.18 against 0.15), and at widths
-# 2048 to 32768 the table was within 1% of the best; 65536 x 1024 0.1470 against 0.1356 at best (not taken)
+# Ninth, H100, softmax_bwd at the model sweep's widths and others (2026-12-06, CUDA-graph replays): rows of
+# exactly 8192 run two a program (tile_elems_at), 8192 x 8192 148.4 -> 134.5 us, 2048 x 8192 40.1 -> 37.0,
+# and rows of exactly 1024 two, not four: 65536 x 1024 141.2 -> 132.4, 4096 x 1024 6.3 -> 4.6. Not by
+# block width: rows of 5000 two a program lost their aligned vectors (63.0 -> 89.8 us at 4096 x 5000);
+# 16384 x 1000 gained 5% (39.2 -> 37.3), not taken. A 16384 tile at every width was slower elsewhere;
+# widths 2048 to 32768 and 512 keep the table (within 1% of the best there)
 _NORM_BWD_SM90 = {"tile_elems": 4096, "elems_per_warp": 1024, "programs_per_sm": 2, "one_program_tiles": 4}
 _ROPE_SM90 = {"tile_elems": 1024, "elems_per_warp": 512, "stream": True}
 
@@ -70,7 +72,7 @@ SM90: Table = {
     "layer_norm_fwd": {"tile_elems": 4096, "elems_per_warp": 512},
     "layer_norm_bwd": {"tile_elems": 8192, "elems_per_warp": 512, "programs_per_sm": 1},
     "softmax_fwd": {"tile_elems": 4096, "elems_per_warp": 1024, "stream": True, "max_block": 32768},
-    "softmax_bwd": {**_ROW_SM90, "tile_elems_at": ((8192, 16384),)},
+    "softmax_bwd": {**_ROW_SM90, "tile_elems_at": ((1024, 2048), (8192, 16384))},
     **{f"{k}_{d}": _POINTWISE_SM90 for k in ("gelu", "silu", "swiglu", "geglu") for d in ("fwd", "bwd")},
     "gelu_bwd": {"block": 4096, "elems_per_warp": 512},
     "rope_fwd": {"tile_elems": 2048, "elems_per_warp": 256},
