@@ -59,7 +59,7 @@ def test_rows_past_max_block_take_chunks(dtype):
     _check(x[:, :30], 1, dtype, max_block=32, chunk=8, tile_elems=32)
 
 
-def test_backward_tiles_by_block_width(dtype, monkeypatch):
+def test_backward_tiles_by_row_width(dtype, monkeypatch):
     """``tile_elems_at`` gives rows of one width their own tile: four 16-wide rows a program here,
     where ``tile_elems`` alone gives one; rows of other widths keep ``tile_elems``, those in blocks of
     the same width (12) among them."""

@@ -13,8 +13,8 @@ floats that `onchip_split` accepts: contiguous columns, a 16-byte aligned base, 
 to the width modulo a 16-byte vector (the output is contiguous, and its rows must start where the
 input's do modulo a vector), and small enough to fit on chip (`launch`, with ``spill``: up to twice
 that, the rest read again from L2). Rows whose width is not a whole number of vectors (GPT-2's
-50257) are read as a head, whole vectors and a tail. Which calls go
-here is each kernel's choice (`kpt_cuda.softmax`, `kpt_cuda.cross_entropy`).
+50257) are read as a head, whole vectors and a tail. Which calls go here is each kernel's choice
+(`kpt_cuda.softmax`, `kpt_cuda.cross_entropy`).
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def _kernel(name: str, smem_vecs: int, device_index: int) -> Any:
 
 
 def _instance(kernel: str, rows: torch.Tensor, split: tuple[int, ...], *flags: bool) -> Any:
-    """``kernel`` compiled for ``rows`` (2-D) held with ``split`` (its template's counts); rows of whole 16-byte vectors
-    compile without the head-and-tail code (5-10% faster at 32K columns)."""
+    """``kernel`` compiled for ``rows`` (2-D) held with ``split`` (its template's counts); rows of
+    whole 16-byte vectors compile without the head-and-tail code (5-10% faster at 32K columns)."""
     n, v = rows.shape
     per_vec = 16 // rows.element_size()
     edges = bool(v % per_vec or (n > 1 and rows.stride(0) % per_vec))

@@ -411,10 +411,8 @@ def softmax_fwd(x, dim, *, max_block: int = 16384, chunk: int = 16384, tile_elem
 def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, tile_elems: int = 2048,
                 elems_per_warp: int = 512, tile_elems_at: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor]:
     """``(dx,)`` from the saved output ``y``; tuning as `softmax_fwd`, and ``tile_elems_at``: pairs
-    ``(width, elements)`` that give rows of exactly that width their own tile size (on an H100, two
-    rows of 8192 a program took 0.135 ms at 8192 × 8192, where one row a program took 0.148; rows of
-    5000, in the same 8192-wide blocks, took 0.090 ms two a program against 0.063 one a program in
-    aligned vectors: `kpt_cuda.tuning`)."""
+    ``(width, elements)`` that give rows of exactly that width their own tile size (why exact widths,
+    not block widths: `kpt_cuda.tuning`)."""
     dx = dense_like(x)
     y3, dy3 = _as_3d(y, dim), _as_3d(dy, dim)
     outer, d, inner = y3.shape
@@ -422,10 +420,8 @@ def softmax_bwd(x, dim, y, dy, *, max_block: int = 16384, chunk: int = 16384, ti
     if not (n_rows and d):
         return (dx,)
     dx3 = _as_3d(dx, dim)
+    tile_elems = next((elems for width, elems in tile_elems_at if width == d), tile_elems)
     block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=tile_elems, chunk=chunk, rows=n_rows)
-    for width, elems in tile_elems_at:
-        if width == d:
-            block_r, block_d = row_tiling(d, max_block=max_block, tile_elems=elems, chunk=chunk, rows=n_rows)
     spans = _spans(y3, chunk, max_block)
     vec = _vector(y3, dy3, dx3) if spans is not None or block_r == 1 else 1
     if spans is not None:
