@@ -12,8 +12,8 @@ gradients). A chunk's gradient of the weight is
 added into the V x K gradient in place, which reads and writes it once a chunk: (N / rows) x 4VK
 bytes a step, against the chunk's three products, so fewer rows cost time and more rows memory.
 Peak memory is what the step allocates beyond its inputs (torch.cuda.max_memory_allocated after a
-reset), and its working memory that peak less what the step returns (the loss and the gradients of
-hidden and weight, which every method allocates: issue 49 compares this one); times are the median
+reset), and its working memory: that peak less the tensors the step returns (the gradients of
+hidden and weight, which every method allocates; issue 49 compares this one). Times are the median
 of device events (`kpt.bench.timing.time_ms`). Each line also gives
 the weight-gradient traffic at the copy bandwidth measured here.
 """

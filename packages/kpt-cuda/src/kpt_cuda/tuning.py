@@ -182,7 +182,7 @@ SM100: Table = {
     "layer_norm_bwd": SM80["layer_norm_bwd"],
     "softmax_fwd": {**SM90["softmax_fwd"], "chunk": 8192},
     # sm90's two rows of 8192 a tile spill there (accepted with an H100's timing); the rows of 1024 do not
-    "softmax_bwd": {**_ROW_SM90, "tile_elems_at": ((1024, 2048),)},
+    "softmax_bwd": {**SM90["softmax_bwd"], "tile_elems_at": ((1024, 2048),)},
     "moe_dispatch_fwd": {"block_h": 32, "num_warps": 8},
     "attention_fwd": {**_ATTENTION_FWD_SM90, "decode": Decode(num_warps=8),
                       "fp32_tiles": {**_ATTENTION_FWD_SM90["fp32_tiles"], 32: Tiles(32, 32, 8, 2),
