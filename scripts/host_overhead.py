@@ -13,7 +13,8 @@ call (``device_us``: its kernels' durations in the torch profiler). The baseline
 same run: the launch of an empty Triton kernel (through Triton's launcher, and through
 `kpt_triton.launch.cached_launch`), a one-element ``torch.add``, and torch's eager kernels. Then
 ``kpt rms_norm`` taken apart (`rms_norm_parts`): its argument check, its kernel body, its
-allocations and its launch, each on its own, so that the rest (the dispatch) is the difference.
+allocations and its launch, each on its own, and the call with its body stubbed (the check and the
+dispatch).
 
 ``--cpu-stub`` runs kpt-cuda's host path on CPU tensors without a GPU and without Triton's
 interpreter: the backend is pinned to the H200's tuning table (``sm90-hbm3e``), and each compiled
@@ -176,9 +177,11 @@ def calls(be: kpt.Backend, device: torch.device) -> dict[str, Callable[[], Any]]
 def rms_norm_parts(be: kpt.Backend, device: torch.device) -> dict[str, Callable[[], Any]]:
     """``kpt rms_norm`` (1 × 4096, bfloat16) taken apart, each part timed on its own: the contract's
     argument check, the backend's kernel body called directly (tiling, the outputs' allocation and
-    the launch; no check, no dispatch), the two allocations, and the launch of its compiled kernel
-    with the arguments prepared. What the whole call spends beyond the body and the check is
+    the launch; no check, no dispatch), the two allocations, the launch of its compiled kernel with
+    the arguments prepared, and the whole call with a body that does nothing: the check and
     `kpt.Backend.call`'s dispatch (grad mode, compile and autocast tests, the result's unpacking)."""
+    from kpt.backend import _guarded
+    from kpt.ops import Kernel
     from kpt_triton import rms_norm as triton_rms_norm
     from kpt_triton.tiling import row_launch
 
@@ -191,7 +194,14 @@ def rms_norm_parts(be: kpt.Backend, device: torch.device) -> dict[str, Callable[
                                HAS_RESIDUAL=False, HAS_WEIGHT=True)
     y, rstd = torch.empty_like(x), torch.empty(1, dtype=torch.float32, device=device)
     args = (x, x, w, y, None, rstd, 1, 4096, 4096, 1, 4096, 1, 1e-6)
+    # a second backend of the same class and tuning whose rms_norm body only returns the outputs
+    # above (wrapped as every body is, `kpt.backend._guarded`): its call is the check and the dispatch
+    dispatch_only = type(be)(arch=be.arch())
+    dispatch_only.bodies("rms_norm")  # registers its ops first
+    dispatch_only._registration.kernels.update(
+        _guarded(be.name, {"rms_norm": Kernel(lambda *_: (y, rstd), None)}))
     return {
+        "kpt rms_norm: check and dispatch (body stubbed)": lambda: dispatch_only.rms_norm(x, w, 1e-6),
         "kpt rms_norm: contract check only": lambda: spec.check((x, w, 1e-6), {}, be.dtypes),
         "kpt rms_norm: kernel body only": lambda: body(x, w, 1e-6),
         "kpt rms_norm: its two allocations": lambda: (torch.empty_like(x), torch.empty(1, dtype=torch.float32,
