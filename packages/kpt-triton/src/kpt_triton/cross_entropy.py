@@ -368,7 +368,9 @@ def chunk_rows(n: int, k: int, v: int, hidden: torch.Tensor, chunk_elems: int, g
     captured); halving keeps the plans few, so a loss's rounding changes only where memory runs
     short. Then at least 1 row and at most ``n``, in whole multiples of 128 rows above 128 (the
     chunk GEMMs on full tiles). Fewer rows cost time: each chunk reads and writes the ``[v, k]``
-    weight gradient once (`scripts/lce_memory.py` measures both)."""
+    weight gradient once (`scripts/lce_memory.py` measures both). Chunks within twice the memory of
+    Liger-Kernel's (256 of Qwen3's rows above, 384 of Llama 3's 8192 × 4096 × 128256) made a compiled
+    Qwen3 step 20% slower on an H100, with the same peak (``benchmarks/models/h100.md``)."""
     per_row = v * hidden.element_size()
     # the tuning's rows, at most those in the gradients' room (128 at least)
     step = int(min(max(1, chunk_elems // max(v, 1)), max(128, gradient_share * (n + v) * k / max(v, 1))))
