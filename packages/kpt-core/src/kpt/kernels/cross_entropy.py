@@ -532,6 +532,35 @@ def linear_cross_entropy_rounded(args: Args, upstream: Args, dtype: torch.dtype)
     return allowance if bias is None else {**allowance, "bias": summed(db_bounds, db_squares) + db_logits}
 
 
+def linear_cross_entropy_loss_rounded(args: Args, dtype: torch.dtype) -> torch.Tensor:
+    """The loss's counterpart of `linear_cross_entropy_rounded`: how far rounding the logits
+    ``hidden · weightᵀ`` to ``dtype``, as ``linear`` returns them, moves the loss. Each kept row's
+    target logit moves by up to ``u · |z_t|`` and its log-sum-exp by at most ``B`` either way (by
+    Jensen's inequality the downward move is at most ``B`` too), so its loss by ``u · |z_t| + B``;
+    summed or averaged over the kept rows as the loss is reduced. Float64, the loss's shape, from
+    the oracle's checked arguments. A relative bound cannot hold here: a row whose target is its
+    largest logit has a loss near 0 that logits near ±300 still move by whole units."""
+    h, w = (finite(args[n].detach().to(torch.float64)) for n in ("hidden", "weight"))
+    bias, target, ignore_index = args["bias"], args["target"].to(h.device), args["ignore_index"]
+    kept = target != ignore_index
+    u = torch.finfo(dtype).eps / 2
+    rows = h.new_zeros(h.shape[0])
+    step = max(1, CHUNK_ELEMENTS // max(w.shape[0], 1))
+    for start in range(0, h.shape[0], step):
+        r = slice(start, start + step)
+        product = h[r] @ w.T
+        z = product if bias is None else product + finite(bias.detach().to(torch.float64))
+        moved = u * product.abs()
+        shift = torch.logsumexp(z + moved, -1) - torch.logsumexp(z, -1)
+        t = torch.where(kept[r], target[r], 0).clamp(0, max(w.shape[0] - 1, 0))[:, None]
+        at_target = moved.gather(1, t)[:, 0] if w.shape[0] else torch.zeros_like(shift)
+        rows[r] = torch.where(kept[r], finite(at_target + shift), 0.0)
+    if args["reduction"] == "none":
+        return rows
+    total = rows.sum()
+    return total / _kept(target, ignore_index) if args["reduction"] == "mean" else total
+
+
 def _row_loss(a: Args, rows: tuple[str, ...], per_row_saved: tuple[str, ...],
               summed_saved: tuple[str, ...]) -> list[Strategy]:
     """Losses sharded over rows: the loss of each row ("none") or a partial sum ("sum"); a mean
