@@ -29,6 +29,7 @@ each chunk's logits.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -487,6 +488,24 @@ def _bad_indices_lce() -> list[BadIndices]:
     return _bad_targets(make, 100)
 
 
+def _rounded_logit_chunks(h: Tensor, w: Tensor, bias: Optional[Tensor],
+                          dtype: torch.dtype) -> Iterator[tuple[slice, Tensor, Tensor, Tensor, Tensor]]:
+    """For `linear_cross_entropy_rounded` and `linear_cross_entropy_loss_rounded`, ``CHUNK_ELEMENTS``
+    logits at a time, as the reference: ``(rows, z, lse, moved, shift)`` in float64, the chunk's
+    logits, their log-sum-exp (``[rows, 1]``), each logit's move ``u · |hidden · weightᵀ|`` when
+    rounded to ``dtype``, and ``B = log Σ_j p_j exp(u · |z_j|)`` (``[rows, 1]``), the bound of the
+    log-sum-exp's move either way. ``h`` and ``w`` are finite float64."""
+    u = torch.finfo(dtype).eps / 2
+    step = max(1, CHUNK_ELEMENTS // max(w.shape[0], 1))
+    for start in range(0, h.shape[0], step):
+        r = slice(start, start + step)
+        product = h[r] @ w.T
+        z = product if bias is None else product + finite(bias.detach().to(torch.float64))
+        lse = torch.logsumexp(z, -1, keepdim=True)
+        moved = u * product.abs()
+        yield r, z, lse, moved, torch.logsumexp(z + moved, -1, keepdim=True) - lse
+
+
 def linear_cross_entropy_rounded(args: Args, upstream: Args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """linear_cross_entropy's `RoundingAllowance`: what two roundings to the inputs' ``dtype``, both
     those of ``cross_entropy(linear(hidden, weight, bias), target)`` composed in that dtype, move
@@ -508,20 +527,12 @@ def linear_cross_entropy_rounded(args: Args, upstream: Args, dtype: torch.dtype)
     h_kept = torch.where(kept[:, None], h, 0.0)
     row_grad = finite(row_grads(upstream["dloss"].detach().to(h.device), target, ignore_index, args["reduction"],
                                  torch.float64))
-    u = torch.finfo(dtype).eps / 2
     dh = torch.empty_like(h)
     # summed over the chunks, for dweight then dbias: dz's rounding (bounds, squares), the logits'
     sums = [h.new_zeros(w.shape if i < 3 else w.shape[:1]) for i in range(6)]
-    step = max(1, CHUNK_ELEMENTS // max(w.shape[0], 1))
-    for start in range(0, h.shape[0], step):
-        r = slice(start, start + step)
-        product = h[r] @ w.T
-        z = product if bias is None else product + finite(bias.detach().to(torch.float64))
-        lse = torch.logsumexp(z, -1, keepdim=True)
+    for r, z, lse, moved, shift in _rounded_logit_chunks(h, w, bias, dtype):
         dz = finite(dlogits(z, target[r], lse[:, 0], 0.0, row_grad[r], kept[r]))
         (dh_bound, dh_squares), dw_sums, db_sums = rounding_sums(dz, h_kept[r], w, dtype)
-        moved = u * product.abs()
-        shift = torch.logsumexp(z + moved, -1, keepdim=True) - lse  # B, from p_j exp(u |z_j|)
         e = (z - lse).exp_().mul_(torch.expm1(moved.add_(shift))).mul_(row_grad[r].abs()[:, None])
         e = finite(torch.where(kept[r][:, None], e, 0.0))
         dh[r] = summed(dh_bound, dh_squares) + e @ w.abs()
@@ -543,18 +554,11 @@ def linear_cross_entropy_loss_rounded(args: Args, dtype: torch.dtype) -> torch.T
     h, w = (finite(args[n].detach().to(torch.float64)) for n in ("hidden", "weight"))
     bias, target, ignore_index = args["bias"], args["target"].to(h.device), args["ignore_index"]
     kept = target != ignore_index
-    u = torch.finfo(dtype).eps / 2
     rows = h.new_zeros(h.shape[0])
-    step = max(1, CHUNK_ELEMENTS // max(w.shape[0], 1))
-    for start in range(0, h.shape[0], step):
-        r = slice(start, start + step)
-        product = h[r] @ w.T
-        z = product if bias is None else product + finite(bias.detach().to(torch.float64))
-        moved = u * product.abs()
-        shift = torch.logsumexp(z + moved, -1) - torch.logsumexp(z, -1)
+    for r, _, _, moved, shift in _rounded_logit_chunks(h, w, bias, dtype):
         t = torch.where(kept[r], target[r], 0).clamp(0, max(w.shape[0] - 1, 0))[:, None]
-        at_target = moved.gather(1, t)[:, 0] if w.shape[0] else torch.zeros_like(shift)
-        rows[r] = torch.where(kept[r], finite(at_target + shift), 0.0)
+        at_target = moved.gather(1, t)[:, 0] if w.shape[0] else torch.zeros_like(shift[:, 0])
+        rows[r] = torch.where(kept[r], finite(at_target + shift[:, 0]), 0.0)
     if args["reduction"] == "none":
         return rows
     total = rows.sum()
